@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Set up the project venv (idempotent) and run the main job or the test suite.
+#   bash scripts/dev.sh run [nemo-wrap arguments]   # the main job (default: the embedded demo)
+#   bash scripts/dev.sh test [pytest arguments]     # the whole test suite
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${NEMO_WRAP_VENV:-.venv}"
+PYTHON="${NEMO_WRAP_BASE_PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+fi
+
+# torch is pinned only when absent: an unpinned `torch` pulls a multi-GB CUDA build, while
+# torch==2.13.0 is a local CPU build on this kind of machine. An existing torch in range is kept.
+if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+    "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
+fi
+
+# Reinstall the project only when its declared dependencies changed.
+stamp="$VENV/.nemo_wrap-installed"
+digest="$(cat setup.cfg setup.py | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$digest" ]; then
+    "$VENV/bin/python" -m pip install --quiet -e ".[test]"
+    echo "$digest" > "$stamp"
+fi
+
+command="${1:-run}"
+shift || true
+case "$command" in
+    run)  exec "$VENV/bin/nemo-wrap" "$@" ;;
+    test) exec "$VENV/bin/python" -m pytest "$@" ;;
+    *)    echo "usage: bash scripts/dev.sh {run|test} [args...]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,23 @@
+"""Shared fixtures: rank pools for real multi-rank cases (see ``tests/multirank.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.multirank import RankPool
+
+
+@pytest.fixture(scope="module")
+def ranks2():
+    """Two gloo ranks, started on first use and shared by the cases of one test module."""
+    pool = RankPool(2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def ranks4():
+    """Four gloo ranks (2×2 meshes), started on first use and shared within a test module."""
+    pool = RankPool(4)
+    yield pool
+    pool.close()
