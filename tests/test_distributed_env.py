@@ -85,24 +85,28 @@ def test_real_torchrun_two_ranks(tmp_path):
     script.write_text(
         textwrap.dedent(
             """
-            import torch, torch.distributed as dist
+            import sys, torch, torch.distributed as dist
+            from pathlib import Path
             from nemo_wrap import initialize_distributed, destroy_distributed
             env = initialize_distributed()
             assert initialize_distributed() == env
             total = torch.tensor([float(env.rank + 1)])
             dist.all_reduce(total)
-            print(f"rank={env.rank} world={env.world_size} local={env.local_rank} backend={env.backend} sum={total.item()}", flush=True)
+            # one file per rank: the ranks' stdout streams interleave
+            Path(sys.argv[1], f"rank{env.rank}.txt").write_text(
+                f"rank={env.rank} world={env.world_size} local={env.local_rank} backend={env.backend} sum={total.item()}"
+            )
             destroy_distributed()
             """
         )
     )
     completed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path)],
         capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    lines = sorted(line for line in completed.stdout.splitlines() if line.startswith("rank="))
+    lines = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
     assert lines == [
         "rank=0 world=2 local=0 backend=gloo sum=3.0",
         "rank=1 world=2 local=1 backend=gloo sum=3.0",
