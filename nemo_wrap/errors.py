@@ -58,3 +58,80 @@ class TiedWeightLayoutError(NeMoWrapError, ValueError):
 
 class NotATransformersModelError(NeMoWrapError, TypeError):
     """The class handed to the wrapper is not a ``transformers.PreTrainedModel`` subclass."""
+
+
+class InvalidInitArgumentError(NeMoWrapError, TypeError):
+    """An argument of ``initialize_weights`` has the wrong type (``seed`` not an integer,
+    ``loaded_names`` a single string instead of a collection of names)."""
+
+
+class ShardingError(NeMoWrapError, RuntimeError):
+    """A model cannot be sharded as asked (no tensor-parallel plan, incompatible head counts)."""
+
+
+class UnsupportedModelError(NeMoWrapError, ValueError):
+    """The config does not describe a causal LM that nemo_wrap can build."""
+
+
+class TensorParallelCompatibilityError(NeMoWrapError, ValueError):
+    """A model config cannot be split over ``tp_size`` tensor-parallel ranks.
+
+    Fused projections are sharded by whole key/value-head groups and whole gate/up row pairs, so
+    ``num_key_value_heads`` and ``intermediate_size`` must be multiples of ``tp_size``; the message
+    names the field and both numbers.
+    """
+
+
+class UnsupportedModelConfigError(NeMoWrapError, ValueError):
+    """A model config asks for a feature our model classes do not implement (e.g. a RoPE type)."""
+
+
+class CheckpointKeyError(NeMoWrapError, LookupError):
+    """A state-dict key is missing, unknown to the adapter, or a row range does not fit its tensor."""
+
+
+class DistributedSaveError(NeMoWrapError, RuntimeError):
+    """``save_pretrained`` found a sharded (DTensor) parameter; it only writes whole, local tensors."""
+
+
+class InvalidModelInputError(NeMoWrapError, ValueError):
+    """A model forward got an invalid combination of inputs (e.g. both or neither of ``input_ids`` and
+    ``inputs_embeds``)."""
+
+
+class CheckpointNotFoundError(NeMoWrapError, FileNotFoundError):
+    """The checkpoint path, its config, or a weight file it names does not exist."""
+
+
+class CorruptCheckpointError(NeMoWrapError, ValueError):
+    """A weight file is structurally invalid (header, offsets, dtypes, sizes) or a tensor does not fit."""
+
+
+class UnsafeCheckpointError(NeMoWrapError, ValueError):
+    """A checkpoint asks for something unsafe: pickle files, or shard paths outside its directory."""
+
+
+class MissingWeightsError(NeMoWrapError, KeyError):
+    """``strict`` loading found parameters neither in the checkpoint nor legitimately initialized."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnexpectedKeysError(NeMoWrapError, KeyError):
+    """``strict`` loading found checkpoint tensors that no parameter consumes."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ShapeMismatchError(NeMoWrapError, ValueError):
+    """A checkpoint tensor's shape differs from the parameter it should fill."""
+
+
+class RemoteRankError(NeMoWrapError, RuntimeError):
+    """Another rank failed during a step all ranks run together; this rank stops with it."""
+
+
+class LoadVerificationError(NeMoWrapError, RuntimeError):
+    """``verify=True`` found tensors whose checksums differ from the checkpoint's."""

@@ -1,0 +1,1 @@
+"""Reading Hugging Face checkpoints: locating the files, validating them, reading slices."""

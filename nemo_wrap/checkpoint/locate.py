@@ -1,0 +1,133 @@
+"""Find a checkpoint's files and index every tensor in them, refusing what is unsafe or broken.
+
+Accepts a local directory or a hub model id (resolved through ``huggingface_hub``'s cache: the
+local rank 0 downloads, the others wait and then read the cache). Every problem raises a specific
+error naming the path, file or key; callers run this on every rank, so all ranks raise together.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nemo_wrap.checkpoint.safetensors_file import TensorEntry, read_header
+from nemo_wrap.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Every tensor of a checkpoint directory: key → where its bytes are (or the tensor itself)."""
+
+    directory: Path
+    entries: dict[str, TensorEntry]
+    pickle_tensors: dict[str, torch.Tensor] | None = None  # only for explicitly allowed .bin files
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        return tuple(sorted({entry.file for entry in self.entries.values()}))
+
+
+def resolve_checkpoint_directory(path_or_id: str | Path, local_rank: int = 0) -> Path:
+    """A local directory as is; otherwise a hub id fetched (or found) in the huggingface cache."""
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointNotFoundError(f"{path}: is a file; pass the checkpoint directory")
+    text = str(path_or_id)
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise CheckpointNotFoundError(f"{path_or_id}: no such directory (and not a hub id of the form 'org/name')")
+    return _from_hub_cache(text, local_rank)
+
+
+def _from_hub_cache(repo_id: str, local_rank: int) -> Path:
+    import torch.distributed as dist
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    error: Exception | None = None
+    directory = None
+    if local_rank == 0:
+        try:
+            directory = snapshot_download(repo_id, allow_patterns=patterns)
+        except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as caught:
+            error = caught
+    if distributed:
+        dist.barrier()  # the others wait for the local rank 0's download
+    if local_rank != 0:
+        try:
+            directory = snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
+        except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as caught:
+            error = caught
+    if error is not None:
+        raise CheckpointNotFoundError(f"{repo_id}: not a local directory, and the hub cache has no copy ({error})")
+    return Path(directory)
+
+
+def open_checkpoint(directory: Path, allow_pickle: bool = False) -> Checkpoint:
+    """Index the weights in ``directory``: ``model.safetensors``, or the sharded index's files."""
+    if (directory / INDEX_FILE).is_file():
+        return Checkpoint(directory, _entries_from_index(directory))
+    if (directory / SINGLE_FILE).is_file():
+        return Checkpoint(directory, read_header(directory / SINGLE_FILE))
+    pickles = [directory / name for name in PICKLE_FILES if (directory / name).is_file()]
+    if pickles and not allow_pickle:
+        raise UnsafeCheckpointError(
+            f"{pickles[0]}: pickle checkpoints can run code when loaded and are refused; convert it to "
+            "safetensors, or pass allow_pickle=True to load it with torch.load(weights_only=True)"
+        )
+    if pickles:
+        return Checkpoint(directory, {}, _load_pickles(directory, pickles[0]))
+    raise CheckpointNotFoundError(
+        f"{directory}: no weight files (expected {SINGLE_FILE} or {INDEX_FILE})"
+    )
+
+
+def _entries_from_index(directory: Path) -> dict[str, TensorEntry]:
+    index_path = directory / INDEX_FILE
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise CorruptCheckpointError(f"{index_path}: not a valid index (needs a 'weight_map' object): {error}") from None
+    if not isinstance(weight_map, dict):
+        raise CorruptCheckpointError(f"{index_path}: 'weight_map' is not an object")
+    root = directory.resolve()
+    headers: dict[str, dict[str, TensorEntry]] = {}
+    entries = {}
+    for key, file_name in weight_map.items():
+        shard = (directory / str(file_name)).resolve()
+        if root not in shard.parents:
+            raise UnsafeCheckpointError(f"{index_path}: shard {file_name!r} of key {key!r} escapes the checkpoint directory")
+        if file_name not in headers:
+            if not shard.is_file():
+                raise CheckpointNotFoundError(f"{index_path}: names shard {file_name!r} (for key {key!r}), which does not exist")
+            headers[file_name] = read_header(shard)
+        if key not in headers[file_name]:
+            raise CorruptCheckpointError(f"{index_path}: key {key!r} is mapped to {file_name}, which does not hold it")
+        entries[key] = headers[file_name][key]
+    return entries
+
+
+def _load_pickles(directory: Path, first: Path) -> dict[str, torch.Tensor]:
+    if first.name.endswith(".index.json"):
+        files = sorted(set(json.loads(first.read_text())["weight_map"].values()))
+        paths = [directory / name for name in files]
+    else:
+        paths = [first]
+    tensors: dict[str, torch.Tensor] = {}
+    for path in paths:
+        tensors.update(torch.load(path, map_location="cpu", weights_only=True))
+    return tensors

@@ -1,0 +1,1 @@
+"""The audited load: one plan, a sharded checkpoint read, per-parameter provenance."""

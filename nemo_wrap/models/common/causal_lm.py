@@ -1,0 +1,183 @@
+"""``NeMoCausalLM``: the transformers-facing base of our fused Llama-family causal LMs.
+
+It is a real transformers ``PreTrainedModel`` + ``GenerationMixin``, so ``generate()``, gradient
+checkpointing, weight init and tying work as for transformers' own classes. What it adds is the
+checkpoint boundary: parameters are stored fused, checkpoints are written and read in
+transformers' unfused format through the architecture's :class:`StateDictAdapter`, so a saved model
+loads with plain ``AutoModelForCausalLM.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, initialization
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+
+from nemo_wrap.errors import CheckpointKeyError, DistributedSaveError
+from nemo_wrap.models.common.decoder import DecoderModel
+from nemo_wrap.models.common.norm import RMSNorm
+from nemo_wrap.models.common.rope import RotaryEmbedding, rope_inverse_frequencies
+from nemo_wrap.models.common.state_dict_adapter import StateDictAdapter
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+class NeMoCausalLM(PreTrainedModel, GenerationMixin):
+    """Decoder-only LM: ``model`` (:class:`DecoderModel`) then ``lm_head``.
+
+    Subclasses set ``config_class``, ``hf_architecture`` (the transformers class name written to
+    ``config.architectures``), ``state_dict_adapter_class``, and build their attention and MLP in
+    :meth:`_build_attention` / :meth:`_build_mlp`.
+    """
+
+    hf_architecture: ClassVar[str]
+    state_dict_adapter_class: ClassVar[type[StateDictAdapter]]
+
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DecoderLayer"]
+    _supports_sdpa = True
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: PreTrainedConfig) -> None:
+        super().__init__(config)
+        self.model = DecoderModel(config, self._build_attention, self._build_mlp)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @classmethod
+    def _build_attention(cls, config: PreTrainedConfig, layer_idx: int) -> nn.Module:
+        raise NotImplementedError(f"{cls.__name__} must build its attention block")
+
+    @classmethod
+    def _build_mlp(cls, config: PreTrainedConfig) -> nn.Module:
+        raise NotImplementedError(f"{cls.__name__} must build its MLP block")
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """transformers' rule, plus our norm (ones) and rotary buffer (recomputed from the config).
+
+        transformers recognizes norms and rotary modules by class-name substrings; matching our
+        own classes explicitly keeps the rule independent of naming.
+        """
+        if isinstance(module, RMSNorm):
+            initialization.ones_(module.weight)
+        elif isinstance(module, RotaryEmbedding):
+            initialization.copy_(module.inv_freq, rope_inverse_frequencies(self.config))
+        else:
+            super()._init_weights(module)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **loss_kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Same inputs and outputs as transformers' ``LlamaForCausalLM.forward``.
+
+        ``use_cache`` defaults to ``config.use_cache`` (off while training with activation
+        checkpointing, as in transformers). ``loss_kwargs`` (e.g. ``num_items_in_batch``) go to
+        transformers' causal-LM loss, which shifts ``labels`` itself; the output is always a
+        ``CausalLMOutputWithPast``, so ``return_dict`` (which ``generate`` passes) has no effect.
+        """
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and self.training and torch.is_grad_enabled() and self.is_activation_checkpointing:
+            use_cache = False  # the checkpointed layers drop the cache anyway; do not create one
+        hidden_states, cache = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
+        logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+
+    # -- checkpoints in transformers' format -------------------------------------------------------
+    @classmethod
+    def state_dict_adapter(cls, config: PreTrainedConfig) -> StateDictAdapter:
+        """The adapter between this architecture's keys and transformers' for ``config``."""
+        return cls.state_dict_adapter_class(config)
+
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        is_main_process: bool = True,
+    ) -> None:
+        """Write a transformers checkpoint: unfused keys, ``config.architectures = [hf_architecture]``.
+
+        Single-process: every tensor must be whole and local (a DTensor raises
+        :class:`DistributedSaveError`). The architecture name is set explicitly because
+        transformers derives it from ``type(self).__name__``, which is ours — or ``FSDP…``/``DDP…``
+        once torch's composable APIs have swapped the class.
+        """
+        state_dict = self.state_dict() if state_dict is None else state_dict
+        for key, tensor in state_dict.items():
+            if isinstance(tensor, DTensor):
+                raise DistributedSaveError(
+                    f"save_pretrained writes whole tensors from one process, but {key!r} is a DTensor "
+                    f"with placements {tensor.placements}"
+                )
+        if not is_main_process:
+            return
+        directory = Path(save_directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        hf_state_dict = self.state_dict_adapter(self.config).to_hf(state_dict)
+        save_file(
+            {key: tensor.detach().contiguous() for key, tensor in hf_state_dict.items()},
+            directory / WEIGHTS_NAME,
+            metadata={"format": "pt"},
+        )
+        config = copy.deepcopy(self.config)
+        config.architectures = [self.hf_architecture]
+        config.dtype = self.dtype
+        config.save_pretrained(directory)
+        if self.generation_config is not None:
+            self.generation_config.save_pretrained(directory)
+
+    @classmethod
+    def from_hf_checkpoint(cls, checkpoint_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> NeMoCausalLM:
+        """Build this model from a transformers checkpoint directory, in one process.
+
+        Reads every ``*.safetensors`` file, fuses through the adapter, and assigns the tensors to a
+        model built on the meta device (no throw-away random init). ``dtype`` casts floating
+        tensors; by default they keep the checkpoint's dtype.
+        """
+        directory = Path(checkpoint_dir)
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise CheckpointKeyError(f"checkpoint_dir {str(directory)!r} has no *.safetensors file")
+        config = cls.config_class.from_pretrained(directory)
+        hf_state_dict = {}
+        for file in files:
+            hf_state_dict.update(load_file(file))
+        state_dict = cls.state_dict_adapter(config).from_hf(hf_state_dict)
+        if dtype is not None:
+            state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(state_dict, strict=True, assign=True)
+        model.model.rotary_emb.reset_inv_freq()
+        model.tie_weights()
+        return model

@@ -1,0 +1,134 @@
+"""The decoder stack shared by Llama, Qwen2 and Qwen3: pre-norm residual blocks over RoPE attention.
+
+The architectures differ only inside the attention and MLP blocks, so the stack takes factories
+for those two and is otherwise written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from nemo_wrap.errors import InvalidModelInputError, UnsupportedModelConfigError
+from nemo_wrap.models.common.norm import RMSNorm
+from nemo_wrap.models.common.rope import RotaryEmbedding
+
+AttentionFactory = Callable[[PreTrainedConfig, int], nn.Module]
+MLPFactory = Callable[[PreTrainedConfig], nn.Module]
+
+_MASK_BUILDERS = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+}
+
+
+class DecoderLayer(GradientCheckpointingLayer):
+    """``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    Deriving from transformers' ``GradientCheckpointingLayer`` lets
+    ``model.gradient_checkpointing_enable()`` checkpoint each layer; ``hidden_states`` is
+    positional for that reason (re-entrant checkpointing only tracks positional inputs).
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps=eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps=eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            cache=cache,
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and final norm; returns the last hidden states.
+
+    Attention masks come from transformers' own builders (``create_causal_mask`` and, for Qwen
+    layers with a sliding window, ``create_sliding_window_causal_mask``), so padding, KV-cache
+    offsets and windowing match transformers' models exactly.
+    """
+
+    def __init__(self, config: PreTrainedConfig, build_attention: AttentionFactory, build_mlp: MLPFactory) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+        unsupported = sorted(set(self.layer_types) - set(_MASK_BUILDERS))
+        if unsupported:
+            raise UnsupportedModelConfigError(
+                f"layer_types contains {unsupported}; supported layer types are {sorted(_MASK_BUILDERS)}"
+            )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(
+            DecoderLayer(build_attention(config, index), build_mlp(config), config.hidden_size, config.rms_norm_eps)
+            for index in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, Cache | None]:
+        """Return ``(last_hidden_state, cache)``; the cache is created here when ``use_cache`` asks for one.
+
+        ``attention_mask`` is the usual 2-D padding mask, or a ``{layer_type: mask}`` dict already
+        built by ``generate`` (it does so for compileable caches).
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise InvalidModelInputError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
+
+        if isinstance(attention_mask, dict):
+            masks = attention_mask
+        else:
+            masks = {
+                layer_type: _MASK_BUILDERS[layer_type](
+                    config=self.config,
+                    inputs_embeds=inputs_embeds,
+                    attention_mask=attention_mask,
+                    cache=cache,
+                    position_ids=position_ids,
+                )
+                for layer_type in set(self.layer_types)
+            }
+
+        position_embeddings = self.rotary_emb(position_ids, inputs_embeds.dtype)
+        hidden_states = inputs_embeds
+        for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=masks[layer_type],
+                position_embeddings=position_embeddings,
+                cache=cache,
+            )
+        return self.norm(hidden_states), cache

@@ -1,0 +1,7 @@
+"""What a user needs next to a sharded model to train it: the step, clipping, accumulation."""
+
+from nemo_wrap.training.accumulation import no_gradient_sync
+from nemo_wrap.training.clipping import clip_grad_norm_
+from nemo_wrap.training.step import StepResult, train_step
+
+__all__ = ["StepResult", "clip_grad_norm_", "no_gradient_sync", "train_step"]

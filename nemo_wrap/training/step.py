@@ -1,0 +1,92 @@
+"""One optimizer step whose loss and gradients equal one process's, whatever the strategy.
+
+transformers' in-forward loss averages over the label tokens *of the batch it is given*. Under
+data parallel each rank sees a different batch, and gradients are then averaged over ranks: with
+unequal token counts per rank that is not the mean over all tokens. So the step counts the label
+tokens over every micro-batch and every data-parallel rank first, hands that count to the model as
+``num_items_in_batch`` (each micro-batch loss becomes its token-loss sum / global count), and
+scales what it back-propagates by the data-parallel degree to undo the managers' gradient
+averaging. A plain ``model(input_ids=..., labels=...)`` keeps transformers' per-rank meaning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nemo_wrap.training.accumulation import no_gradient_sync
+from nemo_wrap.training.clipping import clip_grad_norm_
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did: the global mean loss, the gradient norm before clipping, the token count."""
+
+    loss: float
+    grad_norm: float | None
+    label_tokens: int
+
+
+def _data_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
+    setup = getattr(model, "nemo_distributed_setup", None)
+    if setup is None or setup.dp_size == 1:
+        return None
+    return setup.device_mesh().get_group("dp")
+
+
+def _labels_of(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return batch["labels"] if "labels" in batch else batch["input_ids"]
+
+
+def _count_label_tokens(micro_batches: Sequence[Mapping[str, torch.Tensor]], group) -> int:
+    """Tokens that contribute to the loss after transformers' one-position label shift."""
+    local = sum(int((_labels_of(b)[..., 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
+    count = torch.tensor([local], dtype=torch.int64)
+    if group is not None:
+        dist.all_reduce(count, group=group)
+    return int(count.item())
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[Mapping[str, torch.Tensor]],
+    max_grad_norm: float | None = None,
+) -> StepResult:
+    """Forward/backward every micro-batch (syncing gradients only on the last), clip, step.
+
+    Each batch holds ``input_ids`` and optionally ``labels`` (default: ``input_ids``; ``-100`` is
+    ignored) and ``attention_mask``. Every rank of the job must call it with its own batches.
+    """
+    group = _data_parallel_group(model)
+    dp_size = 1 if group is None else dist.get_world_size(group)
+    label_tokens = _count_label_tokens(micro_batches, group)
+    if label_tokens == 0:
+        raise ValueError("train_step: the micro-batches hold no label token on any rank (all labels are -100)")
+    loss_sum = torch.zeros(())
+    for index, batch in enumerate(micro_batches):
+        is_last = index == len(micro_batches) - 1
+        with nullcontext() if is_last else no_gradient_sync(model):
+            output = model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch.get("attention_mask"),
+                labels=_labels_of(batch),
+                num_items_in_batch=label_tokens,
+            )
+            (output.loss * dp_size).backward()
+        loss_sum += output.loss.detach().float().cpu()
+    grad_norm = None
+    if max_grad_norm is not None:
+        grad_norm = float(clip_grad_norm_(model.parameters(), max_grad_norm))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if group is not None:
+        dist.all_reduce(loss_sum, group=group)
+    return StepResult(loss=float(loss_sum), grad_norm=grad_norm, label_tokens=label_tokens)

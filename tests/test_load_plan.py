@@ -1,0 +1,71 @@
+"""The load plan: one pure function, its invariants checked over the whole cross product."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+
+import pytest
+
+from nemo_wrap import DistributedSetup
+from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+from nemo_wrap.loading.plan import Step, make_load_plan
+from tests.checkpoints import write_checkpoint
+from tests.tiny_models import tiny_config
+
+STRATEGIES = (None, "ddp", "fsdp2", "megatron_fsdp")
+
+
+def _all_plans():
+    for is_custom, strategy, world, tp, has_checkpoint in itertools.product(
+        (True, False), STRATEGIES, (1, 2, 4, 8), (1, 2, 4), (True, False)
+    ):
+        if world % tp or (strategy in (None, "ddp", "megatron_fsdp") and tp > 1) or (strategy is None and world > 1):
+            continue
+        yield make_load_plan("Model", is_custom, "why", strategy, world, tp, has_checkpoint)
+
+
+PLANS = list(_all_plans())
+
+
+def test_cross_product_is_large():
+    assert len(PLANS) == 2 * 2 * (1 + 4 + 4 + 9)  # custom × checkpoint × (none, ddp, megatron, fsdp2 setups)
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.strategy}-w{p.world_size}-tp{p.tp_size}-{'ckpt' if p.has_checkpoint else 'none'}-{'custom' if p.is_custom else 'hf'}")
+def test_every_plan_reads_the_checkpoint_exactly_once_after_its_storage_exists(plan):
+    steps = list(plan.steps)
+    assert plan.checkpoint_reads == (1 if plan.has_checkpoint else 0)
+    assert not plan.weights_arrive_with_build and plan.init_device == "meta"
+    assert steps[0] is Step.BUILD_ON_META and steps[-1] is Step.AUDIT
+    assert steps.count(Step.MATERIALIZE) == 1 and steps.count(Step.INITIALIZE_REST) == 1
+    assert steps.count(Step.SHARD) == (0 if plan.strategy is None else 1)
+    if plan.has_checkpoint:
+        assert steps.index(Step.MATERIALIZE) < steps.index(Step.READ_CHECKPOINT) < steps.index(Step.INITIALIZE_REST)
+    if plan.strategy == "fsdp2":  # shards on meta: each rank allocates and reads only its shard
+        assert steps.index(Step.SHARD) < steps.index(Step.MATERIALIZE)
+        assert "only the slices of its own shards" in plan.read_scope or not plan.has_checkpoint
+    elif plan.strategy in ("ddp", "megatron_fsdp"):  # the field's defect: these must still read
+        assert steps.index(Step.SHARD) > steps.index(Step.INITIALIZE_REST)
+        assert "full tensors" in plan.read_scope or not plan.has_checkpoint
+
+
+def test_plan_prints_as_a_short_explanation():
+    plan = make_load_plan("NeMoLlamaForCausalLM", True, "LlamaForCausalLM is in MODEL_ARCH_MAPPING", "ddp", 2, 1, True)
+    text = str(plan)
+    assert text.splitlines()[0].startswith("load plan: NeMoLlamaForCausalLM (custom: LlamaForCausalLM is in MODEL_ARCH_MAPPING), ddp on 2 rank(s)")
+    assert "weights arrive with the build: no" in text
+    assert "3. read the checkpoint into place" in text and "5. shard" in text
+    assert len(text.splitlines()) <= 12
+
+
+def test_plan_of_a_checkpoint_reads_no_weights(tmp_path):
+    """plan() for a 2-rank setup, from one process, on a checkpoint whose weights are garbage."""
+    path = write_checkpoint(tmp_path / "ckpt", "llama", "half", tie=False)
+    (path / "model.safetensors").write_bytes(b"not a safetensors file")
+    setup = DistributedSetup.build("fsdp2", 2, tp_size=2)
+    plan = NeMoAutoModelForCausalLM.plan(path, distributed_setup=setup, force_hf=True)
+    assert plan.has_checkpoint and plan.strategy == "fsdp2" and plan.tp_size == 2
+    assert plan.model_class == "NeMoLlamaForCausalLM" and not plan.is_custom
+    config_plan = NeMoAutoModelForCausalLM.plan(tiny_config("llama"))
+    assert not config_plan.has_checkpoint and config_plan.checkpoint_reads == 0

@@ -1,0 +1,127 @@
+"""Tensor parallelism of our fused models on two real gloo ranks (tp=2).
+
+Every rank builds the same seeded model twice: one stays whole (the single-process reference), the
+other is parallelized with the architecture's plan. Logits, loss, every parameter's gradient
+(gathered with ``full_tensor``) and 20 greedy tokens must match the reference; tied models must
+come out with ``lm_head.weight`` *being* the embedding's DTensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+_ARCHITECTURES = {
+    "llama": ("transformers:LlamaConfig", "nemo_wrap.models.llama:NeMoLlamaForCausalLM", "parallelize_llama"),
+    "qwen2": ("transformers:Qwen2Config", "nemo_wrap.models.qwen2:NeMoQwen2ForCausalLM", "parallelize_qwen2"),
+    "qwen3": ("transformers:Qwen3Config", "nemo_wrap.models.qwen3:NeMoQwen3ForCausalLM", "parallelize_qwen3"),
+}
+
+
+def _build(arch: str, kv_heads: int, tied: bool):
+    """(model class, its parallelize function, a tiny config) for ``arch``."""
+    import importlib
+
+    config_path, model_path, parallelize_name = _ARCHITECTURES[arch]
+    config_class = getattr(importlib.import_module(config_path.split(":")[0]), config_path.split(":")[1])
+    package, model_name = model_path.split(":")
+    module = importlib.import_module(package)
+    extra = {"head_dim": 24} if arch == "qwen3" else {"attention_bias": True} if arch == "llama" else {}
+    config = config_class(
+        vocab_size=97,  # odd: the vocab-parallel embedding and lm_head shard unevenly (49 + 48 rows)
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=tied,
+        pad_token_id=0,
+        **extra,
+    )
+    return getattr(module, model_name), getattr(module, parallelize_name), config
+
+
+def _seeded_model(model_class, config):
+    """The same weights every call; biases and norm weights perturbed so their layout matters."""
+    import torch
+
+    torch.manual_seed(0)
+    model = model_class(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.ndim == 1:
+                parameter.add_(torch.randn_like(parameter), alpha=0.2)
+    return model
+
+
+def case_tensor_parallel_matches_one_process(arch: str, kv_heads: int, tied: bool) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    model_class, parallelize, config = _build(arch, kv_heads, tied)
+    reference = _seeded_model(model_class, config)
+    model = parallelize(_seeded_model(model_class, config), init_device_mesh("cpu", (2,)))
+
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(3, config.vocab_size, (2, 10), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    input_ids[attention_mask == 0] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+
+    expected = reference(input_ids, attention_mask=attention_mask, labels=labels)
+    actual = model(input_ids, attention_mask=attention_mask, labels=labels)
+    expected.loss.backward()
+    actual.loss.backward()
+    real = attention_mask.bool()
+    gradient_errors = {}
+    reference_parameters = dict(reference.named_parameters())
+    for name, parameter in model.named_parameters():
+        grad = parameter.grad.full_tensor() if isinstance(parameter.grad, DTensor) else parameter.grad
+        gradient_errors[name] = (grad - reference_parameters[name].grad).abs().max().item()
+
+    settings = dict(attention_mask=attention_mask, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    return {
+        "logits_error": (actual.logits[real] - expected.logits[real]).abs().max().item(),
+        "loss_error": (actual.loss - expected.loss).abs().item(),
+        "gradient_errors": gradient_errors,
+        "same_parameter_names": set(gradient_errors) == set(reference_parameters),
+        "sharded_qkv_rows": model.model.layers[0].self_attn.qkv_proj.weight.to_local().shape[0],
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        "same_tokens": torch.equal(model.generate(input_ids, **settings), reference.generate(input_ids, **settings)),
+    }
+
+
+def case_save_pretrained_refuses_dtensors(tmp_dir: str) -> tuple[str, bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from nemo_wrap.errors import DistributedSaveError
+
+    model_class, parallelize, config = _build("llama", 2, False)
+    model = parallelize(model_class(config), init_device_mesh("cpu", (2,)))
+    try:
+        model.save_pretrained(tmp_dir)
+    except DistributedSaveError as error:
+        return type(error).__name__, "model.embed_tokens.weight" in str(error)
+    return "no error", False
+
+
+@pytest.mark.parametrize(
+    ("arch", "kv_heads", "tied"),
+    [("llama", 2, False), ("llama", 4, True), ("qwen2", 2, True), ("qwen3", 2, False), ("qwen3", 4, True)],
+    ids=["llama-gqa-untied", "llama-mha-tied", "qwen2-gqa-tied", "qwen3-gqa-untied", "qwen3-mha-tied"],
+)
+def test_tensor_parallel_matches_one_process(ranks2, arch, kv_heads, tied):
+    for rank, result in enumerate(ranks2.run(case_tensor_parallel_matches_one_process, arch, kv_heads, tied)):
+        assert result["logits_error"] <= 1e-5, rank
+        assert result["loss_error"] <= 1e-6, rank
+        assert result["same_parameter_names"], rank
+        worst = max(result["gradient_errors"].items(), key=lambda item: item[1])
+        assert worst[1] <= 1e-5, (rank, worst)
+        assert result["sharded_qkv_rows"] == kv_heads // 2 * (4 // kv_heads + 2) * (24 if arch == "qwen3" else 16)
+        assert result["tied"] == tied, rank
+        assert result["same_tokens"], rank
+
+
+def test_save_pretrained_refuses_dtensors(ranks2, tmp_path):
+    assert ranks2.run(case_save_pretrained_refuses_dtensors, str(tmp_path)) == [("DistributedSaveError", True)] * 2
