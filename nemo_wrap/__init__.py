@@ -1,7 +1,14 @@
 """nemo_wrap: Hugging Face causal LMs, loaded provably and sharded for training.
 
-The public API is what ``__all__`` lists; everything else is private.
+The public API is what ``__all__`` lists; everything else is private. Names that need
+transformers (the auto class, the mixin, the architecture mapping) load on first access, so
+``import nemo_wrap`` stays as cheap as ``import torch``.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from nemo_wrap.distributed import (
     DistributedEnv,
@@ -11,22 +18,64 @@ from nemo_wrap.distributed import (
     initialize_distributed,
 )
 from nemo_wrap.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
     DistributedStateError,
     InvalidSetupError,
+    LoadVerificationError,
+    MissingWeightsError,
     NeMoWrapError,
+    RemoteRankError,
+    ShapeMismatchError,
+    ShardingError,
     StrategyUnavailableError,
+    UnexpectedKeysError,
+    UnsafeCheckpointError,
+    UnsupportedModelError,
 )
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "NeMoAutoModelForCausalLM": "nemo_wrap.auto_model",
+    "NeMoPreTrainedModel": "nemo_wrap.initialization",
+    "MODEL_ARCH_MAPPING": "nemo_wrap.arch_mapping",
+    "register_architecture": "nemo_wrap.arch_mapping",
+    "LoadPlan": "nemo_wrap.loading.plan",
+    "LoadReport": "nemo_wrap.loading.provenance",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'nemo_wrap' has no attribute {name!r}")
+
+
 __all__ = [
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
     "DistributedEnv",
     "DistributedSetup",
     "DistributedStateError",
     "InvalidSetupError",
+    "LoadPlan",
+    "LoadReport",
+    "LoadVerificationError",
+    "MODEL_ARCH_MAPPING",
+    "MissingWeightsError",
+    "NeMoAutoModelForCausalLM",
+    "NeMoPreTrainedModel",
     "NeMoWrapError",
+    "RemoteRankError",
+    "ShapeMismatchError",
+    "ShardingError",
     "Strategy",
     "StrategyUnavailableError",
+    "UnexpectedKeysError",
+    "UnsafeCheckpointError",
+    "UnsupportedModelError",
     "destroy_distributed",
     "initialize_distributed",
+    "register_architecture",
 ]

@@ -34,7 +34,8 @@ from nemo_wrap.errors import (
 )
 from nemo_wrap.loading.plan import LoadPlan, Step, make_load_plan
 from nemo_wrap.loading.provenance import Initialized, LoadReport, Provenance
-from nemo_wrap.loading.read import checkpoint_tensors, matches_any, read_into_model
+from nemo_wrap.loading.read import adapter_for, checkpoint_tensors, matches_any, read_into_model
+from nemo_wrap.loading.verify import verify_load
 
 logger = logging.getLogger("nemo_wrap")
 T = TypeVar("T")
@@ -194,6 +195,10 @@ class _Pipeline:
             unexpected = tuple(sorted(k for k in available - self.used_keys if not matches_any(k, ignored)))
         report = LoadReport(self.plan, self.provenance, unexpected, self.bytes_read)
         self.model.load_report = report
+        if self.verify and self.checkpoint is not None:
+            distinct, _ = checkpoint_tensors(self.model)
+            verify_load(distinct, self.provenance, adapter_for(self.model), self.checkpoint, _device())
+            report.verified = True
         missing = report.names("missing")
         if missing:
             raise MissingWeightsError(

@@ -61,8 +61,8 @@ class NotATransformersModelError(NeMoWrapError, TypeError):
 
 
 class InvalidInitArgumentError(NeMoWrapError, TypeError):
-    """An argument of ``initialize_weights`` has the wrong type (``seed`` not an integer,
-    ``loaded_names`` a single string instead of a collection of names)."""
+    """An argument of ``initialize_weights`` is invalid: ``seed`` not an integer, ``loaded_names``
+    a single string, or naming something that is not a parameter or buffer of the model."""
 
 
 class ShardingError(NeMoWrapError, RuntimeError):

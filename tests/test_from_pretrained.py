@@ -122,3 +122,63 @@ def test_sharded_index_checkpoint_loads_in_one_process(checkpoints):
     assert len(files) > 1, "the fixture must really be split over several files"
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=TOKENS).logits, _transformers_logits(path), atol=1e-5, rtol=0)
+
+
+def case_verify(path, strategy, tp_size, corrupt_rank):
+    from nemo_wrap.errors import LoadVerificationError
+
+    setup = DistributedSetup.build(strategy, 2, tp_size=tp_size)
+    model = NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup, force_hf=True, verify=True)
+    verified = model.load_report.verified
+    # Now damage one element of one rank's shard and verify again: it must be caught everywhere.
+    import torch.distributed as dist
+
+    from nemo_wrap.loading.read import adapter_for as adapter_of
+    from nemo_wrap.loading.verify import verify_load
+    from nemo_wrap.checkpoint.locate import open_checkpoint
+    from pathlib import Path
+
+    weight = model.model.layers[1].self_attn.o_proj.weight
+    if dist.get_rank() == corrupt_rank:
+        with torch.no_grad():
+            local_shard(weight).view(-1)[3] += 1.0
+    distinct, _ = checkpoint_tensors(model)
+    try:
+        verify_load(distinct, model.load_report.provenance, adapter_of(model), open_checkpoint(Path(path)), torch.device("cpu"))
+    except LoadVerificationError as error:
+        return verified, str(error)
+    return verified, None
+
+
+@pytest.mark.parametrize(("strategy", "tp_size"), STRATEGIES, ids=STRATEGY_IDS)
+def test_verify_proves_the_load_and_catches_a_damaged_shard(ranks2, checkpoints, strategy, tp_size):
+    for verified, error in ranks2.run(case_verify, checkpoints[("distinct", False)], strategy, tp_size, 1):
+        assert verified is True
+        assert error is not None and "model.layers.1.self_attn.o_proj.weight" in error
+
+
+def test_hub_id_resolves_through_a_prepopulated_offline_cache(checkpoints, tmp_path):
+    """A hub id, no network: huggingface_hub's cache layout, HF_HUB_OFFLINE=1, a fresh process."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-llama"
+    shutil.copytree(checkpoints[("half", False)], repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    script = (
+        "from nemo_wrap.auto_model import NeMoAutoModelForCausalLM\n"
+        "m = NeMoAutoModelForCausalLM.from_pretrained('tiny-org/tiny-llama', force_hf=True)\n"
+        "print(m.load_report.counts()['checkpoint'], all(bool((p == 0.5).all()) for p in m.parameters()))\n"
+    )
+    environment = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment, timeout=120)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert completed.stdout.split() == ["21", "True"]  # 2 layers × 9 + embedding + norm + untied lm_head
+    environment["HF_HUB_CACHE"] = str(tmp_path / "empty")
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment, timeout=120)
+    assert completed.returncode != 0 and "CheckpointNotFoundError" in completed.stderr
+    assert "tiny-org/tiny-llama" in completed.stderr

@@ -343,7 +343,13 @@ def test_seed_resolution():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"), [({"seed": "7"}, "seed"), ({"seed": 1.5}, "seed"), ({"loaded_names": "lm_head.weight"}, "loaded_names")]
+    ("kwargs", "match"),
+    [
+        ({"seed": "7"}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"loaded_names": "lm_head.weight"}, "loaded_names"),
+        ({"loaded_names": {"lm_head.weight", "model.embed_tokens.weigth"}}, "embed_tokens.weigth"),
+    ],
 )
 def test_invalid_arguments(kwargs, match):
     model = _meta_model("llama")
@@ -421,6 +427,19 @@ def test_interception_is_scoped_to_the_walk():
     assert torch.equal(first, torch.empty(5).normal_())
 
 
+class _VariedInitLlama(transformers.LlamaForCausalLM):
+    """Exercises the init functions the listed models do not use, through both namespaces."""
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if module is self.lm_head:
+            hf_init.trunc_normal_(module.weight, std=0.02, a=-0.03, b=0.03)
+            torch.nn.init.uniform_(module.weight, -0.5, 0.5)  # torch's namespace, called second: wins
+        elif module is self:  # visited last; LlamaModel's modules are reached from here
+            hf_init.lecun_normal_(module.model.embed_tokens.weight)
+            hf_init.trunc_normal_(module.model.norm.weight, mean=1.0, std=0.1, a=0.9, b=1.1)
+
+
 class _OrthogonalHeadLlama(transformers.LlamaForCausalLM):
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -433,6 +452,27 @@ class _SlicingLlama(transformers.LlamaForCausalLM):
         super()._init_weights(module)
         if module is self.lm_head:
             hf_init.zeros_(module.weight[0])
+
+
+def test_uniform_trunc_normal_and_lecun_are_seeded_fills():
+    from nemo_wrap.initialization import TruncatedNormal, Uniform, random_fill_
+
+    _, config = _spec("llama")
+    config.num_hidden_layers = 1
+    with torch.device("meta"):
+        model = nemo_model_class(_VariedInitLlama)(config)
+    model.to_empty(device="cpu")
+    model.initialize_weights(seed=SEED)
+    with torch.no_grad():
+        head = random_fill_(torch.empty(257, 64), Uniform(-0.5, 0.5), seed=SEED, name="lm_head.weight")
+        assert torch.equal(model.lm_head.weight, head)
+        norm = random_fill_(torch.empty(64), TruncatedNormal(1.0, 0.1, 0.9, 1.1), seed=SEED, name="model.norm.weight")
+        assert torch.equal(model.model.norm.weight, norm)
+        assert (norm >= 0.9).all() and (norm <= 1.1).all()
+        # lecun_normal_: truncated normal with std sqrt(1 / fan_in) / 0.8796..., fan_in = 64 columns.
+        lecun = TruncatedNormal(0.0, math.sqrt(1 / 64) / 0.87962566103423978)
+        embed = random_fill_(torch.empty(257, 64), lecun, seed=SEED, name="model.embed_tokens.weight")
+        assert torch.equal(model.model.embed_tokens.weight, embed)
 
 
 def test_unsupported_init_function_names_the_parameter():

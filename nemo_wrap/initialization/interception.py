@@ -32,7 +32,7 @@ import torch
 import transformers.initialization as hf_init
 from torch import nn
 
-from nemo_wrap.errors import UnknownInitTargetError, UnsupportedInitFunctionError
+from nemo_wrap.errors import InvalidInitArgumentError, UnknownInitTargetError, UnsupportedInitFunctionError
 from nemo_wrap.initialization.deterministic import constant_fill_, copy_global_
 from nemo_wrap.initialization.embedding import zero_padding_row_
 from nemo_wrap.initialization.tiled_random import Distribution, Normal, TruncatedNormal, Uniform, random_fill_
@@ -57,12 +57,20 @@ class InitSession:
         self._tie_targets = tie_targets
         self._names: dict[int, str] = {}
         self._loaded_ids: set[int] = set()
+        known: set[str] = set()
         for name, tensor in chain(
             root.named_parameters(remove_duplicate=False), root.named_buffers(remove_duplicate=False)
         ):
+            known.add(name)
             self._names.setdefault(id(tensor), name)  # first name wins: stable across layouts
             if name in loaded_names:
                 self._loaded_ids.add(id(tensor))
+        if unknown := sorted(loaded_names - known):
+            # A misspelt loaded name would let initialization overwrite the weight it meant to keep.
+            raise InvalidInitArgumentError(
+                f"loaded_names lists {unknown[:5]} ({len(unknown)} in all), which are not parameters "
+                f"or buffers of {type(root).__name__}"
+            )
         self._module_names: dict[int, str] | None = None
         self._current: tuple[str, nn.Module] | None = None
         self._written: set[int] = set()
@@ -146,25 +154,25 @@ class InitSession:
                 return _join(qualname, attr)
         return None
 
-    def random_(self, function: str, tensor: torch.Tensor, distribution: Distribution) -> torch.Tensor:
+    def _random_(self, function: str, tensor: torch.Tensor, distribution: Distribution) -> torch.Tensor:
         name = self._target(function, tensor)
         if name is not None:
             random_fill_(tensor, distribution, seed=self.seed, name=name)
         return tensor
 
-    def constant_(self, function: str, tensor: torch.Tensor, value: float) -> torch.Tensor:
+    def _constant_(self, function: str, tensor: torch.Tensor, value: float) -> torch.Tensor:
         name = self._target(function, tensor)
         if name is not None:
             constant_fill_(tensor, value, name=name)
         return tensor
 
-    def copy_(self, function: str, tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    def _copy_(self, function: str, tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         name = self._target(function, tensor)
         if name is not None:
             copy_global_(tensor, source, name=name)
         return tensor
 
-    def unsupported(self, function: str, tensor: torch.Tensor) -> torch.Tensor:
+    def _unsupported(self, function: str, tensor: torch.Tensor) -> torch.Tensor:
         name = self._target(function, tensor)
         if name is not None:
             raise UnsupportedInitFunctionError(
@@ -180,15 +188,15 @@ def _join(prefix: str, name: str) -> str:
 # Handlers: (session, function name, tensor, the init function's own arguments) -> tensor.
 # ``generator`` arguments are ignored on purpose: the draw is seeded per parameter and tile.
 _HANDLERS: dict[str, Callable[..., torch.Tensor]] = {
-    "normal_": lambda s, f, t, mean=0.0, std=1.0, generator=None: s.random_(f, t, Normal(mean, std)),
-    "uniform_": lambda s, f, t, a=0.0, b=1.0, generator=None: s.random_(f, t, Uniform(a, b)),
-    "trunc_normal_": lambda s, f, t, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None: s.random_(
+    "normal_": lambda s, f, t, mean=0.0, std=1.0, generator=None: s._random_(f, t, Normal(mean, std)),
+    "uniform_": lambda s, f, t, a=0.0, b=1.0, generator=None: s._random_(f, t, Uniform(a, b)),
+    "trunc_normal_": lambda s, f, t, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None: s._random_(
         f, t, TruncatedNormal(mean, std, a, b)
     ),
-    "zeros_": lambda s, f, t: s.constant_(f, t, 0.0),
-    "ones_": lambda s, f, t: s.constant_(f, t, 1.0),
-    "constant_": lambda s, f, t, val: s.constant_(f, t, val),
-    "copy_": lambda s, f, t, other: s.copy_(f, t, other),
+    "zeros_": lambda s, f, t: s._constant_(f, t, 0.0),
+    "ones_": lambda s, f, t: s._constant_(f, t, 1.0),
+    "constant_": lambda s, f, t, val: s._constant_(f, t, val),
+    "copy_": lambda s, f, t, other: s._copy_(f, t, other),
 }
 
 
@@ -199,10 +207,10 @@ def _redirect(function: str, original: Callable[..., Any]) -> Callable[..., Any]
     @functools.wraps(original)
     def redirected(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         session = _ACTIVE.get()
-        if session is None:  # another thread, or a call after the session: behave as before
+        if session is None:  # another thread (the patch is process-wide, the session is not)
             return original(tensor, *args, **kwargs)
         if handler is None:
-            return session.unsupported(function, tensor)
+            return session._unsupported(function, tensor)
         return handler(session, function, tensor, *args, **kwargs)
 
     return redirected

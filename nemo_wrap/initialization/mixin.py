@@ -64,7 +64,7 @@ class NeMoPreTrainedModel:
         session = InitSession(self, seed=seed, loaded_names=loaded, tie_targets=frozenset(tied))
         with session.active():
             _walk(session, self, "", self)
-        pass
+        retie_(self, tied, loaded)
 
     def _init_weights(self, module: nn.Module) -> None:
         """This class's rule for one module, made seeded and shard-aware.

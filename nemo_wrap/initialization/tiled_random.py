@@ -8,7 +8,8 @@ whole rows along dimension 0, about ``_TILE_NUMEL`` elements each, one row at le
 is drawn whole, in float32, from its own ``torch.Generator`` seeded by a stable hash of
 ``(seed, parameter name, tile index)``, and each rank keeps only the intersection of the tile with
 its shard. The grid depends only on the global shape, so any sharding — or none — assembles the
-same full tensor, with no collective and at most one tile of working memory beyond the shard.
+same full tensor, with no collective and, beyond the shard, working memory of a few tile-sized
+buffers (the tile, its slice, the cast).
 
 The tile size and the hash are part of what the values *are*: changing either changes every
 initialization produced with a given seed.

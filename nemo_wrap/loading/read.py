@@ -64,16 +64,13 @@ def checkpoint_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[
 
 
 def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Split sorted-or-not global indices into maximal step-1 runs: (global start, stop, local start)."""
-    values = index.tolist()
-    runs = []
-    start = 0
-    for position in range(1, len(values) + 1):
-        if position == len(values) or values[position] != values[position - 1] + 1:
-            if values:
-                runs.append((values[start], values[position - 1] + 1, start))
-            start = position
-    return runs
+    """Split global indices into maximal step-1 runs: (global start, global stop, local start)."""
+    if index.numel() == 0:
+        return []
+    breaks = (torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1).tolist()
+    starts = [0, *breaks]
+    stops = [*breaks, index.numel()]
+    return [(int(index[a]), int(index[b - 1]) + 1, a) for a, b in zip(starts, stops)]
 
 
 def read_into_model(

@@ -33,12 +33,11 @@ def check_tensor_parallel_compatible(config: PreTrainedConfig, tp_size: int) -> 
     """
     if not isinstance(tp_size, int) or tp_size < 1:
         raise TensorParallelCompatibilityError(f"tp_size must be a positive integer, got {tp_size!r}")
-    for field in ("num_key_value_heads", "intermediate_size"):
+    for field, unit in (("num_key_value_heads", "key/value-head groups"), ("intermediate_size", "gate/up row pairs")):
         value = getattr(config, field)
         if value % tp_size:
             raise TensorParallelCompatibilityError(
-                f"{field}={value} is not divisible by tp_size={tp_size}: tensor parallelism gives each "
-                f"rank whole {'key/value-head groups' if field == 'num_key_value_heads' else 'gate/up row pairs'}"
+                f"{field}={value} is not divisible by tp_size={tp_size}: each rank must hold whole {unit}"
             )
 
 
