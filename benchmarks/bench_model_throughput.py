@@ -5,7 +5,7 @@ bf16, on the same weights. Timed steps alternate between the two models so that 
 on a shared machine hits both alike; the table reports the median step.
 
 bf16 runs a smaller batch by default: on CPUs without native bf16 matmul (no AVX512-BF16/AMX) the
-weight-gradient GEMMs take a slow path, ~15x slower than fp32 per token here, which would make a
+weight-gradient GEMMs take a slow path, ~25x slower than fp32 per token here, which would make a
 4 x 256 bf16 step take minutes.
 
     python benchmarks/bench_model_throughput.py [--batch 4] [--seq 256] [--bf16-batch 1] [--bf16-seq 64]

@@ -15,7 +15,11 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from nemo_wrap.errors import UnsupportedModelError
 
-MODEL_ARCH_MAPPING: dict[str, str] = {}
+MODEL_ARCH_MAPPING: dict[str, str] = {
+    "LlamaForCausalLM": "nemo_wrap.models.llama:NeMoLlamaForCausalLM",
+    "Qwen2ForCausalLM": "nemo_wrap.models.qwen2:NeMoQwen2ForCausalLM",
+    "Qwen3ForCausalLM": "nemo_wrap.models.qwen3:NeMoQwen3ForCausalLM",
+}
 
 
 def register_architecture(architecture: str, import_path: str) -> None:
@@ -69,7 +73,7 @@ def resolve_model_source(config: PretrainedConfig, force_hf: bool = False) -> Mo
     if force_hf:
         reason = "force_hf=True"
     elif architecture is None:
-        reason = "config names no architecture; transformers' class for its model_type"
+        reason = "the config names no architecture: transformers' class for its model_type"
     else:
         reason = f"{architecture} has no custom implementation"
-    return ModelSource(nemo_model_class(hf_class), is_custom=False, reason=f"transformers fallback: {reason}")
+    return ModelSource(nemo_model_class(hf_class), is_custom=False, reason=reason)

@@ -33,7 +33,7 @@ from nemo_wrap.errors import (
     UnsupportedModelError,
 )
 from nemo_wrap.loading.plan import LoadPlan, Step, make_load_plan
-from nemo_wrap.loading.provenance import Initialized, LoadReport, Provenance
+from nemo_wrap.loading.provenance import Initialized, LoadReport, Provenance, Tied
 from nemo_wrap.loading.read import adapter_for, checkpoint_tensors, matches_any, read_into_model
 from nemo_wrap.loading.verify import verify_load
 
@@ -178,7 +178,9 @@ class _Pipeline:
         rule = f"{type(self.model).__mro__[0].__name__}._init_weights (seeded, shard-aware)"
         allowed_missing = getattr(self.model, "_keys_to_ignore_on_load_missing", None)
         distinct, tied = checkpoint_tensors(self.model)
-        for name in [*distinct, *tied]:
+        for target, source in tied.items():
+            self.provenance.setdefault(target, Tied(source))
+        for name in distinct:
             current = self.provenance.get(name)
             if current is None:
                 self.provenance[name] = Initialized(rule, "no checkpoint given")

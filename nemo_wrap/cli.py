@@ -35,24 +35,21 @@ def _tiny_llama_config():
 
 def _run_demo(args: argparse.Namespace) -> int:
     import torch
-    from transformers import LlamaForCausalLM
+
+    from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
 
     env = initialize_distributed()
     setup = DistributedSetup.build(args.strategy, env.world_size, tp_size=args.tp_size)
-    torch.manual_seed(args.seed)
     config = _tiny_llama_config()
-    model = LlamaForCausalLM(config)
+    model = NeMoAutoModelForCausalLM.from_config(config, distributed_setup=setup, seed=args.seed)
     tokens = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(args.seed))
     with torch.no_grad():
         loss = model(input_ids=tokens, labels=tokens).loss.item()
     if env.is_main_process:
-        parameters = dict(model.named_parameters())
-        count = sum(p.numel() for p in parameters.values())
-        print(f"nemo-wrap demo: tiny {type(model).__name__}, {count:,} parameters, seed {args.seed}")
+        count = sum(p.numel() for p in model.parameters())
+        print(f"nemo-wrap demo: tiny {type(model).__name__}, {count:,} parameters on this rank, seed {args.seed}")
         print(setup.describe())
-        print("parameter provenance (no checkpoint given, so every parameter is initialized):")
-        for name, parameter in parameters.items():
-            print(f"  {name:<48} {str(tuple(parameter.shape)):<12} initialized by {type(model).__name__}._init_weights")
+        print(model.load_report)
         print(f"loss of the fresh model {loss:.4f} (ln(vocab) = {math.log(config.vocab_size):.4f})")
     destroy_distributed()
     return 0

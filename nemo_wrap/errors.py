@@ -73,15 +73,6 @@ class UnsupportedModelError(NeMoWrapError, ValueError):
     """The config does not describe a causal LM that nemo_wrap can build."""
 
 
-class TensorParallelCompatibilityError(NeMoWrapError, ValueError):
-    """A model config cannot be split over ``tp_size`` tensor-parallel ranks.
-
-    Fused projections are sharded by whole key/value-head groups and whole gate/up row pairs, so
-    ``num_key_value_heads`` and ``intermediate_size`` must be multiples of ``tp_size``; the message
-    names the field and both numbers.
-    """
-
-
 class UnsupportedModelConfigError(NeMoWrapError, ValueError):
     """A model config asks for a feature our model classes do not implement (e.g. a RoPE type)."""
 

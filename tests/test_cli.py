@@ -14,9 +14,11 @@ from nemo_wrap.cli import main
 def test_demo_describes_a_freshly_initialized_model(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out
-    assert "tiny LlamaForCausalLM, 90,496 parameters" in out
+    assert "tiny NeMoLlamaForCausalLM, 90,496 parameters" in out
     assert "strategy fsdp2 on 1 rank(s)" in out
-    assert out.count("initialized by LlamaForCausalLM._init_weights") == 20
+    assert "load plan: NeMoLlamaForCausalLM" in out
+    assert "load report: 21 tensors — 1 tied, 20 initialized" in out
+    assert out.count("no checkpoint given") == 20 and "tied to model.embed_tokens.weight" in out
     loss = float(re.search(r"loss of the fresh model ([0-9.]+)", out).group(1))
     assert abs(loss - math.log(257)) < 0.1  # initialized weights, not leftover memory
     assert not dist.is_initialized()

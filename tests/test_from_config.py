@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto_model import NeMoAutoModelForCausalLM, _build_on_meta, _materialize
 from nemo_wrap.arch_mapping import resolve_model_source
-from tests.tiny_models import ALL_KINDS, TENSOR_PARALLEL_KINDS, tiny_config
+from tests.tiny_models import ALL_KINDS, OWN_KINDS, TENSOR_PARALLEL_KINDS, tiny_config
 
 SEED = 1234
 
@@ -51,14 +51,14 @@ def _assert_same_state(actual: dict[str, torch.Tensor], expected: dict[str, torc
         assert torch.equal(actual[name], tensor), f"{where}: {name} differs from the one-process init"
 
 
-@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS + OWN_KINDS)
 def test_ddp_replicas_initialize_identically_before_broadcast(ranks2, kind):
     expected = _reference(kind)
     for rank, state in enumerate(ranks2.run(case_own_weights_before_any_broadcast, kind)):
         _assert_same_state(state, expected, f"{kind} rank {rank}")
 
 
-@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS + OWN_KINDS)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_ranks_equal_one_process(ranks2, kind, strategy):
     expected = _reference(kind)
@@ -66,17 +66,18 @@ def test_two_ranks_equal_one_process(ranks2, kind, strategy):
         _assert_same_state(state, expected, f"{kind} {strategy} rank {rank}")
 
 
-@pytest.mark.parametrize("kind", TENSOR_PARALLEL_KINDS)
+@pytest.mark.parametrize("kind", TENSOR_PARALLEL_KINDS + OWN_KINDS)
 def test_tensor_parallel_equals_one_process(ranks2, kind):
     expected = _reference(kind)
     for rank, state in enumerate(ranks2.run(case_full_state, kind, "fsdp2", 2, 2)):
         _assert_same_state(state, expected, f"{kind} tp=2 rank {rank}")
 
 
-def test_fsdp2_over_tensor_parallel_equals_one_process(ranks4):
-    expected = _reference("llama")
-    for rank, state in enumerate(ranks4.run(case_full_state, "llama", "fsdp2", 2, 4)):
-        _assert_same_state(state, expected, f"llama 2x2 rank {rank}")
+@pytest.mark.parametrize("kind", ["llama", "own-llama", "own-qwen3"])
+def test_fsdp2_over_tensor_parallel_equals_one_process(ranks4, kind):
+    expected = _reference(kind)
+    for rank, state in enumerate(ranks4.run(case_full_state, kind, "fsdp2", 2, 4)):
+        _assert_same_state(state, expected, f"{kind} 2x2 rank {rank}")
 
 
 def test_fresh_model_is_initialized_not_leftover_memory():

@@ -12,6 +12,7 @@ from nemo_wrap import DistributedSetup
 from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
 from nemo_wrap.initialization.geometry import local_shard, shard_geometry
 from nemo_wrap.loading.read import adapter_for, checkpoint_tensors
+from nemo_wrap.models.common.causal_lm import NeMoCausalLM
 from tests.checkpoints import write_checkpoint
 
 STRATEGIES = [("ddp", 1), ("fsdp2", 1), ("fsdp2", 2)]
@@ -72,7 +73,8 @@ def case_load(path, strategy, tp_size, force_hf, tokens):
         bytes_read=report.bytes_read,
         local_bytes=_local_bytes(model),
         logits=logits,
-        class_name=type(model).__name__,
+        is_fused_class=isinstance(model, NeMoCausalLM),
+        plan_says_custom=report.plan.is_custom,
     )
 
 
@@ -86,18 +88,19 @@ def _transformers_logits(path: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-@pytest.mark.parametrize("force_hf", [True], ids=["hf"])
+@pytest.mark.parametrize("force_hf", [False, True], ids=["custom", "hf"])
 @pytest.mark.parametrize(("strategy", "tp_size"), STRATEGIES, ids=STRATEGY_IDS)
 def test_uniform_checkpoint_every_shard_is_half(ranks2, checkpoints, strategy, tp_size, force_hf, tie):
     """The field's reproduction: weights all 0.5 must arrive as 0.5, everywhere, never random."""
     for result in ranks2.run(case_load, checkpoints[("half", tie)], strategy, tp_size, force_hf, TOKENS):
+        assert result["is_fused_class"] is result["plan_says_custom"] is (not force_hf)
         assert result["mismatches"] == []
         assert result["counts"]["initialized"] == 0 and result["counts"]["missing"] == 0
         assert result["counts"]["tied"] == (1 if tie else 0)
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-@pytest.mark.parametrize("force_hf", [True], ids=["hf"])
+@pytest.mark.parametrize("force_hf", [False, True], ids=["custom", "hf"])
 @pytest.mark.parametrize(("strategy", "tp_size"), STRATEGIES, ids=STRATEGY_IDS)
 def test_distinct_checkpoint_shards_at_their_offsets_and_logits_match(ranks2, checkpoints, strategy, tp_size, force_hf, tie):
     path = checkpoints[("distinct", tie)]

@@ -24,9 +24,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from nemo_wrap.errors import CheckpointKeyError, TensorParallelCompatibilityError, UnsupportedModelConfigError
+from nemo_wrap.distributed.sharding.tensor_parallel import check_tensor_parallel_supported
+from nemo_wrap.errors import CheckpointKeyError, ShardingError, UnsupportedModelConfigError
 from nemo_wrap.models.common.layouts import GateUpLayout, QKVLayout
-from nemo_wrap.models.llama import NeMoLlamaForCausalLM, check_tensor_parallel_compatible
+from nemo_wrap.models.llama import NeMoLlamaForCausalLM
 from nemo_wrap.models.qwen2 import NeMoQwen2ForCausalLM
 from nemo_wrap.models.qwen3 import NeMoQwen3ForCausalLM
 
@@ -177,14 +178,14 @@ def test_adapter_errors_name_the_key():
 def test_tensor_parallel_compatibility_names_the_field_and_tp_size():
     config = tiny_config("llama", kv_heads=2)
     for tp in (1, 2):
-        check_tensor_parallel_compatible(config, tp)
-    with pytest.raises(TensorParallelCompatibilityError, match=r"num_key_value_heads=2.*tp_size=4"):
-        check_tensor_parallel_compatible(config, 4)
+        check_tensor_parallel_supported(NeMoLlamaForCausalLM, config, tp)
+    with pytest.raises(ShardingError, match=r"num_key_value_heads=2.*tp_size=4"):
+        check_tensor_parallel_supported(NeMoLlamaForCausalLM, config, 4)
     odd_mlp = LlamaConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=4, intermediate_size=30)
-    with pytest.raises(TensorParallelCompatibilityError, match=r"intermediate_size=30.*tp_size=4"):
-        check_tensor_parallel_compatible(odd_mlp, 4)
-    with pytest.raises(TensorParallelCompatibilityError, match="tp_size"):
-        check_tensor_parallel_compatible(config, 0)
+    with pytest.raises(ShardingError, match=r"intermediate_size=30.*tp_size=4"):
+        check_tensor_parallel_supported(NeMoLlamaForCausalLM, odd_mlp, 4)
+    with pytest.raises(ShardingError, match="tp_size"):
+        check_tensor_parallel_supported(NeMoLlamaForCausalLM, config, 0)
 
 
 def test_unsupported_rope_type_is_refused_at_build():

@@ -11,17 +11,19 @@ from __future__ import annotations
 import pytest
 
 _ARCHITECTURES = {
-    "llama": ("transformers:LlamaConfig", "nemo_wrap.models.llama:NeMoLlamaForCausalLM", "parallelize_llama"),
-    "qwen2": ("transformers:Qwen2Config", "nemo_wrap.models.qwen2:NeMoQwen2ForCausalLM", "parallelize_qwen2"),
-    "qwen3": ("transformers:Qwen3Config", "nemo_wrap.models.qwen3:NeMoQwen3ForCausalLM", "parallelize_qwen3"),
+    "llama": ("transformers:LlamaConfig", "nemo_wrap.models.llama:NeMoLlamaForCausalLM"),
+    "qwen2": ("transformers:Qwen2Config", "nemo_wrap.models.qwen2:NeMoQwen2ForCausalLM"),
+    "qwen3": ("transformers:Qwen3Config", "nemo_wrap.models.qwen3:NeMoQwen3ForCausalLM"),
 }
 
 
 def _build(arch: str, kv_heads: int, tied: bool):
-    """(model class, its parallelize function, a tiny config) for ``arch``."""
+    """(model class, the tensor-parallel entry point, a tiny config) for ``arch``."""
     import importlib
 
-    config_path, model_path, parallelize_name = _ARCHITECTURES[arch]
+    from nemo_wrap.distributed.sharding.tensor_parallel import apply_tensor_parallel
+
+    config_path, model_path = _ARCHITECTURES[arch]
     config_class = getattr(importlib.import_module(config_path.split(":")[0]), config_path.split(":")[1])
     package, model_name = model_path.split(":")
     module = importlib.import_module(package)
@@ -37,7 +39,7 @@ def _build(arch: str, kv_heads: int, tied: bool):
         pad_token_id=0,
         **extra,
     )
-    return getattr(module, model_name), getattr(module, parallelize_name), config
+    return getattr(module, model_name), apply_tensor_parallel, config
 
 
 def _seeded_model(model_class, config):

@@ -55,3 +55,22 @@ def test_heads_not_divisible_by_tp_size_fail_at_build():
     setup = DistributedSetup.build("fsdp2", 4, tp_size=4)
     with pytest.raises(ShardingError, match="num_key_value_heads=2, tp_size=4"):
         NeMoAutoModelForCausalLM.from_config(tiny_config("llama"), distributed_setup=setup)
+
+
+def case_generate_when_ranks_stop_at_different_steps(strategy: str, tp_size: int):
+    """Rank 0's EOS is its first greedy token (it stops at once); rank 1 has no EOS and runs on."""
+    import torch.distributed as dist
+
+    setup = DistributedSetup.build(strategy, 2, tp_size=tp_size)
+    model = NeMoAutoModelForCausalLM.from_config(tiny_config("llama"), distributed_setup=setup, seed=0)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    first = model.generate(prompt, max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=3)[0, -1].item()
+    eos = first if dist.get_rank() == 0 else None
+    out = model.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=3)
+    return out.shape[-1] - prompt.shape[-1]
+
+
+@pytest.mark.parametrize(("strategy", "tp_size"), [("ddp", 1), ("fsdp2", 1), ("fsdp2", 2)], ids=["ddp", "fsdp2", "tp2"])
+def test_generate_does_not_hang_when_ranks_stop_at_different_steps(ranks2, strategy, tp_size):
+    new_tokens = ranks2.run(case_generate_when_ranks_stop_at_different_steps, strategy, tp_size, timeout=60)
+    assert new_tokens[0] <= new_tokens[1] == 6  # rank 0 stopped early (padded), rank 1 ran to the end

@@ -23,6 +23,9 @@ MODELS = {
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
     "llama-untied": ("llama", dict(tie_word_embeddings=False)),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=False)),
+    "qwen3-qk-norm": ("qwen3", dict(tie_word_embeddings=False)),  # per-head norms under TP
+    "own-llama-tied": ("own-llama", dict(tie_word_embeddings=True)),  # our fused class
+    "own-qwen3": ("own-qwen3", dict(tie_word_embeddings=False)),
 }
 
 
@@ -118,7 +121,7 @@ def test_sgd_final_weights_match_one_process(ranks2, model_key, strategy, tp_siz
             torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("model_key", ["llama-tied", "qwen2-bias"])
+@pytest.mark.parametrize("model_key", ["llama-tied", "qwen2-bias", "qwen3-qk-norm", "own-llama-tied"])
 def test_fsdp2_over_tensor_parallel_two_by_two(ranks4, model_key):
     expected_losses, _, _, _ = _reference(model_key, "adamw", 4)
     _, _, _, expected_weights = _reference(model_key, "sgd", 3)

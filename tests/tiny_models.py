@@ -27,7 +27,15 @@ _DECODER = dict(
 
 
 def tiny_config(kind: str, **overrides):
-    """A 2-layer, 64-wide config of ``kind``; vocab 257 so shards are uneven on 2 and 4 ranks."""
+    """A 2-layer, 64-wide config of ``kind``; vocab 257 so shards are uneven on 2 and 4 ranks.
+
+    ``own-<kind>`` names the architecture in the config, so nemo_wrap picks its own fused class;
+    plain kinds name none, so they take transformers' class.
+    """
+    if kind.startswith("own-"):
+        base = kind.removeprefix("own-")
+        architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[base]
+        return tiny_config(base, architectures=[architecture], **overrides)
     if kind == "gpt2":
         return GPT2Config(vocab_size=257, n_embd=64, n_layer=2, n_head=4, n_positions=128, pad_token_id=3, bos_token_id=1, eos_token_id=2, **overrides)
     classes = {
@@ -44,3 +52,4 @@ def tiny_config(kind: str, **overrides):
 
 ALL_KINDS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "gpt2")
 TENSOR_PARALLEL_KINDS = ("llama", "qwen2", "qwen3", "mistral")
+OWN_KINDS = ("own-llama", "own-qwen2", "own-qwen3")

@@ -25,6 +25,7 @@ honouring them would keep transformers' unseeded draws.
 from __future__ import annotations
 
 import operator
+from typing import Any
 from collections.abc import Callable, Iterable
 
 import torch
@@ -84,6 +85,20 @@ class NeMoPreTrainedModel:
         )
         with session.active():
             session.apply_rule(super()._init_weights, module, session.qualname_of(module))
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' ``generate``, kept in lockstep across ranks when sharding needs it.
+
+        A model sharded by nemo_wrap across ranks (``nemo_distributed_setup``) runs collectives in
+        every forward (FSDP all-gathers, tensor-parallel reductions, DDP buffer syncs), so a rank
+        that meets its EOS early must keep stepping until every rank is done, or the others hang.
+        transformers turns ``synced_gpus`` on only for its own FSDP; here it defaults to on for
+        ours. An explicit ``synced_gpus=`` argument wins.
+        """
+        setup = getattr(self, "nemo_distributed_setup", None)
+        if setup is not None and setup.world_size > 1:
+            kwargs.setdefault("synced_gpus", True)
+        return super().generate(*args, **kwargs)
 
     def _nemo_resolve_seed(self, seed: int | None) -> int:
         chosen = seed if seed is not None else self.nemo_init_seed

@@ -10,6 +10,7 @@ loads with plain ``AutoModelForCausalLM.from_pretrained``.
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 from pathlib import Path
 from typing import ClassVar
@@ -18,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, initialization
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -114,6 +116,16 @@ class NeMoCausalLM(PreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
     # -- checkpoints in transformers' format -------------------------------------------------------
+    @classmethod
+    def tensor_parallel_plan(cls) -> dict[str, ParallelStyle]:
+        """This architecture's plan, from the ``parallelize.py`` beside its ``model.py``.
+
+        Imported on first use because that module imports the model module (torchtitan's layout:
+        ``model.py``, ``parallelize.py`` and ``state_dict_adapter.py`` per architecture).
+        """
+        folder = cls.__module__.rpartition(".")[0]
+        return importlib.import_module(f"{folder}.parallelize").tensor_parallel_plan()
+
     @classmethod
     def state_dict_adapter(cls, config: PreTrainedConfig) -> StateDictAdapter:
         """The adapter between this architecture's keys and transformers' for ``config``."""

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from nemo_wrap.models.common.parallelize import (
-    ReplicateWithGradientSum,
-    apply_tensor_parallel,
-    check_tensor_parallel_compatible,
-    decoder_tensor_parallel_plan,
-)
-from nemo_wrap.models.qwen3.model import NeMoQwen3ForCausalLM
+from nemo_wrap.distributed.sharding.tensor_parallel import ReplicateWithGradientSum
+from nemo_wrap.models.common.parallelize import decoder_tensor_parallel_plan
 
-__all__ = ["check_tensor_parallel_compatible", "parallelize_qwen3", "tensor_parallel_plan"]
+__all__ = ["tensor_parallel_plan"]
 
 
 def tensor_parallel_plan() -> dict[str, ParallelStyle]:
@@ -24,7 +18,3 @@ def tensor_parallel_plan() -> dict[str, ParallelStyle]:
         "model.layers.*.self_attn.k_norm": ReplicateWithGradientSum(),
     }
 
-
-def parallelize_qwen3(model: NeMoQwen3ForCausalLM, tp_mesh: DeviceMesh) -> NeMoQwen3ForCausalLM:
-    """Apply :func:`tensor_parallel_plan` over ``tp_mesh`` in place (ties restored); returns ``model``."""
-    return apply_tensor_parallel(model, tp_mesh, tensor_parallel_plan())
