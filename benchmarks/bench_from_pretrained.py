@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 CHECKPOINT = Path(os.environ.get("NEMO_WRAP_BENCH_DIR", "/tmp/nemo_wrap_bench")) / "llama-1.1b-bf16"
 
 
@@ -56,15 +58,15 @@ def _make_checkpoint() -> None:
     (CHECKPOINT / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def _touch(model) -> float:
-    import torch
+def _touch_tensor(tensor) -> int:
+    """Read one byte of every 4 KiB page: every page is faulted in (mmap-backed loads pay here)."""
+    if tensor.numel() == 0:
+        return 0
+    return int(tensor.detach().reshape(-1).view(torch.uint8)[::4096].sum())
 
-    total = 0.0
-    with torch.no_grad():
-        for parameter in model.parameters():
-            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
-            total += float(local.float().sum()) if local.numel() else 0.0
-    return total
+
+def _touch(model) -> int:
+    return sum(_touch_tensor(p.to_local() if hasattr(p, "to_local") else p) for p in model.parameters())
 
 
 def _measure(kind: str, output: Path) -> None:
@@ -92,7 +94,7 @@ def _measure(kind: str, output: Path) -> None:
                 out = torch.empty(entry.shape, dtype=entry.dtype)
                 reader.read_block_into(entry, tuple(slice(0, n) for n in entry.shape), out)
                 tensors.append(out)
-        sum(float(t.float().sum()) for t in tensors)
+        sum(_touch_tensor(t) for t in tensors)
         model_bytes = sum(t.numel() * t.element_size() for t in tensors)
     elif kind == "transformers":
         model = AutoModelForCausalLM.from_pretrained(CHECKPOINT, dtype=torch.bfloat16)

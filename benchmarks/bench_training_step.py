@@ -18,13 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
-BATCH, SEQUENCE, WARMUP, STEPS = 2, 256, 2, 5
+BATCH, SEQUENCE, WARMUP, STEPS = 2, 256, 1, 4
 
 
 def _config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+    return LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024,
                        tie_word_embeddings=True)
 

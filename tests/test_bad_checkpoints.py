@@ -199,3 +199,13 @@ def test_bad_file_on_one_rank_raises_on_both(ranks2, good, copy):
     assert rank1_error == "CorruptCheckpointError" and "truncated" in rank1_message
     assert rank0_error == "RemoteRankError"
     assert max(rank0_seconds, rank1_seconds) < 10
+
+
+def test_remote_code_is_never_executed(copy):
+    """A config asking for its own Python code is refused: trust_remote_code stays off."""
+    (copy / "configuration_evil.py").write_text("raise SystemExit('remote code ran')\n")
+    (copy / "config.json").write_text(json.dumps({
+        "model_type": "evil", "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"},
+    }))
+    with pytest.raises(UnsupportedModelError, match="config.json"):
+        _load(copy)

@@ -117,3 +117,40 @@ def test_tied_embedding_stays_one_parameter(ranks2, strategy, tp_size, placement
         assert is_tied, f"rank {rank}: lm_head.weight is not the embedding parameter"
         assert actual_placements == placements
         _assert_same_state(state, expected, f"tied {strategy} tp={tp_size} rank {rank}")
+
+
+def test_saved_fallback_model_names_the_transformers_architecture(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model = NeMoAutoModelForCausalLM.from_config(tiny_config("qwen2"), seed=SEED, force_hf=True)
+    assert type(model).__name__ == "NeMoQwen2ForCausalLM"
+    model.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert type(reloaded).__name__ == "Qwen2ForCausalLM"
+    tokens = torch.randint(0, 257, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=tokens).logits, model(input_ids=tokens).logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", OWN_KINDS)
+def test_own_classes_draw_transformers_distributions(kind):
+    """Our fused classes, initialized by our seeded walk, match transformers' init statistically."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(kind, hidden_size=128, intermediate_size=256)
+    ours = NeMoAutoModelForCausalLM.from_config(config, seed=SEED)
+    ours_hf = ours.state_dict_adapter(ours.config).to_hf(ours.state_dict())
+    torch.manual_seed(0)
+    theirs = AutoModelForCausalLM.from_config(config).state_dict()
+    assert ours_hf.keys() == theirs.keys()
+    for name, reference in theirs.items():
+        value = ours_hf[name].float()
+        if (reference == reference.flatten()[0]).all():  # norms (ones), biases (zeros)
+            assert torch.equal(value, reference.float()), name
+        elif reference.numel() >= 4096:
+            assert abs(value.std().item() / reference.std().item() - 1) < 0.08, name
+            assert abs(value.mean().item()) < 0.002, name
+    assert not ours_hf["model.embed_tokens.weight"][config.pad_token_id].any()
