@@ -43,6 +43,8 @@ _LAZY = {
     "register_architecture": "nemo_wrap.arch_mapping",
     "LoadPlan": "nemo_wrap.loading.plan",
     "LoadReport": "nemo_wrap.loading.provenance",
+    "save_checkpoint": "nemo_wrap.checkpoint",
+    "load_checkpoint": "nemo_wrap.checkpoint",
 }
 
 
@@ -77,5 +79,7 @@ __all__ = [
     "UnsupportedModelError",
     "destroy_distributed",
     "initialize_distributed",
+    "load_checkpoint",
     "register_architecture",
+    "save_checkpoint",
 ]

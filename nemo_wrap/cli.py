@@ -1,81 +1,213 @@
-"""The ``nemo-wrap`` command line.
+"""The ``nemo-wrap`` command line: fine-tune, plan and report, on a checkpoint or the embedded default.
 
-``nemo-wrap`` (or ``nemo-wrap demo``) is the main job on the embedded default: until the
-fine-tuning job lands it builds a tiny Llama from a config, describes the distributed setup, lists
-where every parameter's values come from, and checks that the fresh model's loss sits near
-ln(vocab) — the signature of a properly initialized model, not of leftover memory.
+``nemo-wrap`` with no arguments is ``nemo-wrap finetune`` on the embedded default (a small Llama
+built on first use, see :mod:`nemo_wrap.default_model`), so the first command a user runs is a real
+fine-tuning job that finishes in about a minute on two CPU cores. Several ranks: run it under
+``torchrun --nproc-per-node N -m nemo_wrap.cli ...``, or pass ``--nproc N`` and it re-launches
+itself through ``torch.distributed.run --standalone``. Errors of nemo_wrap exit with status 2 and
+one line naming the problem, not a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import os
+import subprocess
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from nemo_wrap.distributed import DistributedSetup, destroy_distributed, initialize_distributed
-from nemo_wrap.errors import NeMoWrapError
+from nemo_wrap.errors import InvalidSetupError, NeMoWrapError, TokenizerNotFoundError
+
+_COMMANDS = ("finetune", "plan", "report")
+DEFAULT_OUTPUT_DIR = "nemo_wrap_output"
 
 
-def _tiny_llama_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=257,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-    )
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
-def _run_demo(args: argparse.Namespace) -> int:
-    import torch
-
-    from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
-
-    env = initialize_distributed()
-    setup = DistributedSetup.build(args.strategy, env.world_size, tp_size=args.tp_size)
-    config = _tiny_llama_config()
-    model = NeMoAutoModelForCausalLM.from_config(config, distributed_setup=setup, seed=args.seed)
-    tokens = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(args.seed))
-    with torch.no_grad():
-        loss = model(input_ids=tokens, labels=tokens).loss.item()
-    if env.is_main_process:
-        count = sum(p.numel() for p in model.parameters())
-        print(f"nemo-wrap demo: tiny {type(model).__name__}, {count:,} parameters on this rank, seed {args.seed}")
-        print(setup.describe())
-        print(model.load_report)
-        print(f"loss of the fresh model {loss:.4f} (ln(vocab) = {math.log(config.vocab_size):.4f})")
-    destroy_distributed()
-    return 0
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command; ``main`` inserts ``finetune`` when no command is given."""
     parser = argparse.ArgumentParser(prog="nemo-wrap", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command")
-    demo = commands.add_parser("demo", help="build a tiny Llama and describe it (the default)")
-    demo.add_argument("--strategy", default="fsdp2", help="ddp | fsdp2 | megatron_fsdp (default fsdp2)")
-    demo.add_argument("--tp-size", type=int, default=1)
-    demo.add_argument("--seed", type=int, default=0)
+    commands = parser.add_subparsers(dest="command", required=True)
+    helps = {
+        "finetune": "fine-tune a causal LM on a text file and save it (the default command)",
+        "plan": "print the load plan for a checkpoint, reading no weights",
+        "report": "load a checkpoint and print where every parameter's values came from",
+    }
+    for name in _COMMANDS:
+        # no abbreviations: --nproc must be spelled out to be removed before re-launching
+        sub = commands.add_parser(name, help=helps[name], description=helps[name], allow_abbrev=False)
+        sub.add_argument("model", nargs="?", default=None,
+                         help="checkpoint directory (default: the embedded default, built on first use)")
+        sub.add_argument("--strategy", default="fsdp2", help="ddp | fsdp2 | megatron_fsdp (default fsdp2)")
+        sub.add_argument("--tp-size", type=_positive_int, default=1, help="tensor-parallel degree (default 1)")
+        sub.add_argument("--nproc", type=_positive_int, default=None,
+                         help="number of ranks: plan describes that world; finetune and report re-launch "
+                              "themselves on that many local ranks through torchrun (do not combine with torchrun)")
+    finetune = commands.choices["finetune"]
+    finetune.add_argument("--steps", type=_positive_int, default=50, help="optimizer steps (default 50)")
+    finetune.add_argument("--lr", type=_positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    finetune.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per rank per step (default 8)")
+    finetune.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence (default 64)")
+    finetune.add_argument("--max-grad-norm", type=_positive_float, default=1.0, help="gradient clipping (default 1.0)")
+    finetune.add_argument("--data", default=None, help="UTF-8 text file to train on (default: the bundled corpus)")
+    finetune.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
+                          help=f"where the fine-tuned checkpoint goes (default ./{DEFAULT_OUTPUT_DIR})")
+    finetune.add_argument("--seed", type=int, default=0, help="data order seed (default 0)")
     return parser
 
 
-_COMMANDS = ("demo",)
+def _model_path(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return Path(args.model)
+    from nemo_wrap.default_model import default_model_path
+
+    return default_model_path()
+
+
+def _launched_world_size() -> int | None:
+    """The world size torchrun exported, or ``None`` when this process was not launched by it."""
+    value = os.environ.get("WORLD_SIZE")
+    return None if value is None else int(value)
+
+
+def _without_nproc(argv: Sequence[str]) -> list[str]:
+    """``argv`` minus ``--nproc N``: torchrun's own parser would read ``--nproc`` as an ambiguous
+    abbreviation of its ``--nproc-per-node`` even after the module name, and refuse to start."""
+    kept: list[str] = []
+    skip_value = False
+    for token in argv:
+        if skip_value:
+            skip_value = False
+        elif token == "--nproc":
+            skip_value = True
+        elif not token.startswith("--nproc="):
+            kept.append(token)
+    return kept
+
+
+def _relaunch(argv: Sequence[str], nproc: int) -> int:
+    """Run this command again on ``nproc`` local ranks through torchrun and return its exit status.
+
+    Only the launcher's status comes back: a rank that fails prints its own error, and torchrun
+    then exits non-zero (with status 1, whatever the rank's was).
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "nemo_wrap.cli", *_without_nproc(argv)]
+    return subprocess.run(command, check=False).returncode
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise TokenizerNotFoundError(f"{path}: no tokenizer that transformers can load ({type(error).__name__})") from error
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+
+    world_size = args.nproc or _launched_world_size() or 1
+    setup = DistributedSetup.build(args.strategy, world_size, tp_size=args.tp_size)
+    print(NeMoAutoModelForCausalLM.plan(_model_path(args), distributed_setup=setup))
+    return 0
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+
+    path = _model_path(args)
+    env = initialize_distributed()
+    try:
+        setup = DistributedSetup.build(args.strategy, env.world_size, tp_size=args.tp_size)
+        model = NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup, verify=True)
+        if env.is_main_process:
+            print(model.load_report)
+    finally:
+        destroy_distributed()
+    return 0
+
+
+def _run_finetune(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+    from nemo_wrap.default_model import bundled_corpus
+    from nemo_wrap.training import iterate_batches, read_token_windows, train_step
+
+    path = _model_path(args)
+    env = initialize_distributed()
+    try:
+        setup = DistributedSetup.build(args.strategy, env.world_size, tp_size=args.tp_size)
+        say = print if env.is_main_process else (lambda *_: None)
+        say(NeMoAutoModelForCausalLM.plan(path, distributed_setup=setup))
+        # Tokenizer and data first: every rank fails on them alike, before the load's collectives.
+        tokenizer = _tokenizer(path)
+        data = Path(args.data) if args.data else bundled_corpus()
+        windows = read_token_windows(data, tokenizer, args.seq_len)
+        model = NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup)
+        say(model.load_report.summary())
+        dp_rank = setup.device_mesh().get_local_rank("dp") if setup.dp_size > 1 else 0
+        batches = iterate_batches(windows, args.batch_size, args.seed, dp_rank, setup.dp_size)
+        say(f"data: {data} — {windows.shape[0]} windows of {args.seq_len} tokens; "
+            f"{args.batch_size} per rank x {setup.dp_size} data-parallel rank(s) per step")
+
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        losses = []
+        with tqdm(range(args.steps), desc="finetune", unit="step", disable=not env.is_main_process) as bar:
+            for _ in bar:
+                started = time.perf_counter()
+                result = train_step(model, optimizer, [next(batches)], max_grad_norm=args.max_grad_norm)
+                losses.append(result.loss)
+                tokens_per_s = result.label_tokens / (time.perf_counter() - started)
+                bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+        say(f"loss: first step {losses[0]:.4f}, last step {losses[-1]:.4f} ({len(losses)} steps)")
+
+        # collective: every rank calls it; the tokenizer is written inside the same atomic swap
+        model.save_pretrained(args.output_dir, tokenizer=tokenizer)
+        say(f"saved the fine-tuned model and its tokenizer to {args.output_dir}")
+    finally:
+        destroy_distributed()
+    return 0
+
+
+_RUNNERS = {"finetune": _run_finetune, "plan": _run_plan, "report": _run_report}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``nemo-wrap`` and ``python -m nemo_wrap.cli``; returns the exit status."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in (*_COMMANDS, "-h", "--help"):
-        argv = ["demo", *argv]  # the main job is the default command
+        argv = ["finetune", *argv]  # the main job is the default command
     args = parser.parse_args(argv)
     try:
-        return _run_demo(args)
+        launched = _launched_world_size()
+        if args.command != "plan" and args.nproc is not None:
+            if launched is None and args.nproc > 1:
+                DistributedSetup.build(args.strategy, args.nproc, tp_size=args.tp_size)  # fail before launching
+                _model_path(args)  # build the default once, before the ranks start
+                return _relaunch(argv, args.nproc)
+            if launched is not None and launched != args.nproc:
+                raise InvalidSetupError(f"--nproc {args.nproc} differs from torchrun's world size {launched}")
+        return _RUNNERS[args.command](args)
     except NeMoWrapError as error:
         parser.exit(2, f"nemo-wrap: error: {error}\n")
 

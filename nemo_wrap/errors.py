@@ -81,10 +81,6 @@ class CheckpointKeyError(NeMoWrapError, LookupError):
     """A state-dict key is missing, unknown to the adapter, or a row range does not fit its tensor."""
 
 
-class DistributedSaveError(NeMoWrapError, RuntimeError):
-    """``save_pretrained`` found a sharded (DTensor) parameter; it only writes whole, local tensors."""
-
-
 class InvalidModelInputError(NeMoWrapError, ValueError):
     """A model forward got an invalid combination of inputs (e.g. both or neither of ``input_ids`` and
     ``inputs_embeds``)."""
@@ -126,3 +122,22 @@ class RemoteRankError(NeMoWrapError, RuntimeError):
 
 class LoadVerificationError(NeMoWrapError, RuntimeError):
     """``verify=True`` found tensors whose checksums differ from the checkpoint's."""
+
+
+class CheckpointSaveError(NeMoWrapError, RuntimeError):
+    """Writing a checkpoint failed; raised on every rank together, naming the directory and the step.
+
+    The previous checkpoint at that directory, if any, is left in place.
+    """
+
+
+class InvalidShardSizeError(NeMoWrapError, ValueError):
+    """``max_shard_size`` is neither a positive number of bytes nor a size such as ``"5GB"``."""
+
+
+class TrainingDataError(NeMoWrapError, ValueError):
+    """A training text file is missing, not UTF-8 text, or too short to fill one batch on every rank."""
+
+
+class TokenizerNotFoundError(NeMoWrapError, FileNotFoundError):
+    """A checkpoint directory holds no tokenizer that transformers can load, and the job needs one."""

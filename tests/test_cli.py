@@ -1,33 +1,151 @@
-"""The ``nemo-wrap`` main job on its embedded default."""
+"""The ``nemo-wrap`` command line and its embedded default.
+
+One-rank runs call ``main`` in this process; the two-rank run is a real ``--nproc 2`` subprocess
+(``torch.distributed.run --standalone`` underneath). Every test uses a private cache directory, so
+the user's ``~/.cache`` is never touched and the first-use path is exercised for real.
+"""
 
 from __future__ import annotations
 
-import math
+import os
 import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nemo_wrap.cli import main
+from nemo_wrap.default_model import default_model_path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_demo_describes_a_freshly_initialized_model(capsys):
-    assert main([]) == 0
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """``NEMO_WRAP_CACHE`` for the whole module: the default is built once, by the first test."""
+    root = tmp_path_factory.mktemp("nemo_wrap_cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NEMO_WRAP_CACHE", str(root))
+        yield root
+
+
+def _losses(out: str) -> tuple[float, float]:
+    first, last = re.search(r"loss: first step ([0-9.]+), last step ([0-9.]+)", out).groups()
+    return float(first), float(last)
+
+
+def _assert_loads_with_plain_transformers(directory: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    ids = tokenizer("Rain falls on the garden", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+    assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def test_no_command_means_finetune_on_the_default(cache, tmp_path, capsys):
+    output = tmp_path / "out"
+    assert main(["--steps", "3", "--output-dir", str(output)]) == 0
     out = capsys.readouterr().out
-    assert "tiny NeMoLlamaForCausalLM, 90,496 parameters" in out
-    assert "strategy fsdp2 on 1 rank(s)" in out
-    assert "load plan: NeMoLlamaForCausalLM" in out
-    assert "load report: 21 tensors — 1 tied, 20 initialized" in out
-    assert out.count("no checkpoint given") == 20 and "tied to model.embed_tokens.weight" in out
-    loss = float(re.search(r"loss of the fresh model ([0-9.]+)", out).group(1))
-    assert abs(loss - math.log(257)) < 0.1  # initialized weights, not leftover memory
+    assert out.index("load plan: NeMoLlamaForCausalLM") < out.index("load report: 27 tensors — 26 checkpoint, 1 tied")
+    assert "fsdp2 on 1 rank(s), tp=1" in out and "(3 steps)" in out
+    first, last = _losses(out)
+    assert last < first  # three AdamW steps at lr 3e-3 already lower the loss
+    _assert_loads_with_plain_transformers(output)
     assert not dist.is_initialized()
 
 
-def test_demo_rejects_bad_setup_naming_the_argument(capsys):
+def test_finetune_on_two_ranks_through_nproc(cache, tmp_path):
+    output = tmp_path / "out"
+    completed = subprocess.run(
+        [sys.executable, "-m", "nemo_wrap.cli", "finetune", "--nproc", "2", "--steps", "3",
+         "--output-dir", str(output)],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "fsdp2 on 2 rank(s), tp=1" in completed.stdout
+    assert "8 per rank x 2 data-parallel rank(s)" in completed.stdout
+    assert completed.stdout.count("loss: first step") == 1  # printed by rank 0 only
+    first, last = _losses(completed.stdout)
+    assert last < first
+    _assert_loads_with_plain_transformers(output)
+
+
+def test_plan_describes_a_job_without_launching_it(cache, capsys):
+    assert main(["plan", "--nproc", "4", "--tp-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("load plan: NeMoLlamaForCausalLM") and "fsdp2 on 4 rank(s), tp=2" in out
+    assert not dist.is_initialized()
+
+
+def test_report_lists_every_tensor_and_verifies(cache, capsys):
+    assert main(["report", "--strategy", "ddp"]) == 0
+    out = capsys.readouterr().out
+    assert "load report: 27 tensors — 26 checkpoint, 1 tied" in out
+    assert "verify: checksums of every tensor match the checkpoint" in out
+    assert "model.embed_tokens.weight" in out and "tied to model.embed_tokens.weight" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["finetune", "--strategy", "ddp", "--tp-size", "2"], "tp_size=2"),
+        (["report", "{tmp}/no-such-checkpoint"], "no-such-checkpoint"),
+        (["finetune", "--steps", "1", "--data", "{tmp}/missing.txt"], "missing.txt"),
+    ],
+    ids=["bad-setup", "missing-checkpoint", "missing-data"],
+)
+def test_errors_exit_2_with_one_line_naming_the_problem(cache, tmp_path, capsys, argv, named):
     with pytest.raises(SystemExit) as excinfo:
-        main(["demo", "--strategy", "ddp", "--tp-size", "2"])
+        main([arg.format(tmp=tmp_path) for arg in argv])
     assert excinfo.value.code == 2
-    assert "tp_size=2" in capsys.readouterr().err
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("nemo-wrap: error: ") and named in err[-1]
+    assert not dist.is_initialized()
+
+
+def test_a_checkpoint_without_tokenizer_exits_2_naming_it(cache, tmp_path, capsys):
+    checkpoint = tmp_path / "no-tokenizer"
+    checkpoint.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(default_model_path() / name, checkpoint / name)
+    with pytest.raises(SystemExit) as excinfo:
+        main(["finetune", str(checkpoint), "--steps", "1", "--output-dir", str(tmp_path / "out")])
+    assert excinfo.value.code == 2
+    assert "no-tokenizer: no tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not dist.is_initialized()
+
+
+def test_default_checkpoint_is_byte_identical_when_built_again(cache, tmp_path):
+    assert _files(default_model_path(tmp_path)) == _files(default_model_path(cache))
+
+
+def test_concurrent_first_use_builds_one_checkpoint(cache, tmp_path):
+    script = textwrap.dedent(
+        """
+        import sys
+        from nemo_wrap.default_model import default_model_path
+        print(default_model_path(sys.argv[1]))
+        """
+    )
+    processes = [
+        subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        for _ in range(2)
+    ]
+    results = [process.communicate(timeout=180) for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], [err[-2000:] for _, err in results]
+    paths = {out.strip() for out, _ in results}
+    assert paths == {str(tmp_path / "default-llama-v1")}
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["default-llama-v1", "default-llama-v1.lock"]
+    assert _files(tmp_path / "default-llama-v1") == _files(default_model_path(cache))

@@ -185,3 +185,13 @@ def test_hub_id_resolves_through_a_prepopulated_offline_cache(checkpoints, tmp_p
     completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment, timeout=120)
     assert completed.returncode != 0 and "CheckpointNotFoundError" in completed.stderr
     assert "tiny-org/tiny-llama" in completed.stderr
+
+
+def test_report_summary_is_logged_once(checkpoints, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="nemo_wrap"):
+        model = NeMoAutoModelForCausalLM.from_pretrained(checkpoints[("half", True)])
+    summaries = [r.getMessage() for r in caplog.records if r.name == "nemo_wrap" and "load report" in r.getMessage()]
+    assert summaries == [model.load_report.summary()]
+    assert "15 tensors — 14 checkpoint, 1 tied" in summaries[0]  # our fused Llama: 2 × 6 + embedding + norm

@@ -94,18 +94,13 @@ def case_tensor_parallel_matches_one_process(arch: str, kv_heads: int, tied: boo
     }
 
 
-def case_save_pretrained_refuses_dtensors(tmp_dir: str) -> tuple[str, bool]:
+def case_save_pretrained_from_tensor_parallel(tmp_dir: str) -> None:
+    """A model parallelized outside nemo_wrap's pipeline (DTensors, no setup) saves collectively too."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from nemo_wrap.errors import DistributedSaveError
-
     model_class, parallelize, config = _build("llama", 2, False)
-    model = parallelize(model_class(config), init_device_mesh("cpu", (2,)))
-    try:
-        model.save_pretrained(tmp_dir)
-    except DistributedSaveError as error:
-        return type(error).__name__, "model.embed_tokens.weight" in str(error)
-    return "no error", False
+    model = parallelize(_seeded_model(model_class, config), init_device_mesh("cpu", (2,)))
+    model.save_pretrained(tmp_dir)
 
 
 @pytest.mark.parametrize(
@@ -125,5 +120,15 @@ def test_tensor_parallel_matches_one_process(ranks2, arch, kv_heads, tied):
         assert result["same_tokens"], rank
 
 
-def test_save_pretrained_refuses_dtensors(ranks2, tmp_path):
-    assert ranks2.run(case_save_pretrained_refuses_dtensors, str(tmp_path)) == [("DistributedSaveError", True)] * 2
+def test_save_pretrained_from_tensor_parallel_loads_in_transformers(ranks2, tmp_path):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    ranks2.run(case_save_pretrained_from_tensor_parallel, str(tmp_path))
+    model_class, _, config = _build("llama", 2, False)
+    reference = _seeded_model(model_class, config)
+    expected = reference.state_dict_adapter(config).to_hf(reference.state_dict())
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert reloaded.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(reloaded[key], tensor), key

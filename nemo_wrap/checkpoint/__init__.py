@@ -1,1 +1,26 @@
-"""Reading Hugging Face checkpoints: locating the files, validating them, reading slices."""
+"""Checkpoints: reading transformers checkpoints, writing them consolidated, resumable sharded state.
+
+- :mod:`.locate`, :mod:`.safetensors_file`: locating, validating and reading checkpoint files.
+- :mod:`.save`: one consolidated transformers checkpoint from any strategy (``save_pretrained``).
+- :mod:`.resume`: :func:`save_checkpoint` / :func:`load_checkpoint`, sharded model + optimizer state.
+- :mod:`.atomic`, :mod:`.rank_zero`: directories swapped in whole; rank 0's outcome on every rank.
+
+The resume functions load on first access: ``torch.distributed.checkpoint`` takes over a second to
+import, and the loader imports this package.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {"save_checkpoint": "nemo_wrap.checkpoint.resume", "load_checkpoint": "nemo_wrap.checkpoint.resume"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'nemo_wrap.checkpoint' has no attribute {name!r}")
+
+
+__all__ = ["load_checkpoint", "save_checkpoint"]

@@ -11,18 +11,15 @@ handles tied and already-initialized weights; the wrapped model must load exactl
 original. A consequence: the class cannot be pickled by reference (its name does not exist in that
 module); pickle state dicts, not model objects.
 
-``save_pretrained`` is the one method the subclass changes: transformers writes
+``hf_architecture`` records the transformers class name: transformers would write
 ``type(self).__name__`` into ``config.json``'s ``architectures`` (``NeMoLlamaForCausalLM``, or
 ``DDPNeMo…`` after torch's ``replicate``), while inference servers and converters read that field
-to pick a class; the saved config must name the transformers class (``hf_architecture``).
+to pick a class. The mixin's ``save_pretrained`` writes ``hf_architecture`` instead.
 """
 
 from __future__ import annotations
 
 import threading
-
-from pathlib import Path
-from typing import Any
 
 from transformers import PreTrainedModel
 
@@ -55,21 +52,8 @@ def nemo_model_class(cls: type[PreTrainedModel]) -> type[PreTrainedModel]:
                     "__qualname__": name,
                     "__doc__": f"{cls.__name__} with nemo_wrap's seeded, sharding-independent initialization.",
                     "hf_architecture": cls.__name__,
-                    "save_pretrained": _save_pretrained_naming(cls),
                 },
             )
             _WRAPPED[cls] = wrapped
     return wrapped
 
-
-def _save_pretrained_naming(cls: type[PreTrainedModel]):
-    """``cls.save_pretrained``, then ``config.json`` rewritten to name ``cls`` as the architecture."""
-
-    def save_pretrained(self: PreTrainedModel, save_directory: str | Path, *args: Any, **kwargs: Any) -> None:
-        cls.save_pretrained(self, save_directory, *args, **kwargs)
-        self.config.architectures = [cls.__name__]
-        if kwargs.get("is_main_process", True):
-            self.config.save_pretrained(save_directory)
-
-    save_pretrained.__doc__ = cls.save_pretrained.__doc__
-    return save_pretrained

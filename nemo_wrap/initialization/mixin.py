@@ -20,13 +20,19 @@ replaces parameters and drops attributes such as ``_is_hf_initialized``), tensor
 ``_is_hf_initialized`` flags are deliberately *not* honoured: transformers sets them on every
 module of a nested submodel when that submodel's ``__init__`` runs its own ``post_init``, so
 honouring them would keep transformers' unseeded draws.
+
+Being the one base of every model nemo_wrap builds (our fused classes and the ``NeMo<Name>``
+fallbacks alike), the mixin also carries the behaviour that sharding changes for all of them:
+``generate`` kept in lockstep across ranks, and ``save_pretrained`` writing one consolidated
+transformers checkpoint from any strategy.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any
 from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -35,6 +41,9 @@ from transformers import PreTrainedModel
 from nemo_wrap.errors import InvalidInitArgumentError
 from nemo_wrap.initialization.interception import InitSession
 from nemo_wrap.initialization.ties import retie_
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class NeMoPreTrainedModel:
@@ -49,6 +58,7 @@ class NeMoPreTrainedModel:
     attribute (for loaders that call ``initialize_weights()`` through transformers).
     """
 
+    hf_architecture: ClassVar[str]  # the transformers class name that saved configs name
     nemo_init_seed: int | None = None
     nemo_loaded_names: frozenset[str] = frozenset()
 
@@ -99,6 +109,26 @@ class NeMoPreTrainedModel:
         if setup is not None and setup.world_size > 1:
             kwargs.setdefault("synced_gpus", True)
         return super().generate(*args, **kwargs)
+
+    def save_pretrained(
+        self,
+        save_directory: str | Path,
+        max_shard_size: int | str = "50GB",
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> None:
+        """Write a consolidated transformers checkpoint, from one process or every rank of a sharded job.
+
+        transformers' own method cannot serve here: it names ``type(self)`` (``NeMo…``, ``FSDP…``)
+        as the architecture, would write our fused keys, and on rank 0 alone under a process group
+        can hang the others. See :func:`nemo_wrap.checkpoint.save.save_hf_checkpoint`, which this
+        calls: under a process group of more than one rank, every rank must call it (rank 0
+        writes); the tokenizer is written when given.
+        """
+        # imported here: the checkpoint writer reads the model through nemo_wrap.loading, which
+        # imports this package
+        from nemo_wrap.checkpoint.save import save_hf_checkpoint
+
+        save_hf_checkpoint(self, save_directory, max_shard_size=max_shard_size, tokenizer=tokenizer)
 
     def _nemo_resolve_seed(self, seed: int | None) -> int:
         chosen = seed if seed is not None else self.nemo_init_seed

@@ -4,35 +4,32 @@ It is a real transformers ``PreTrainedModel`` + ``GenerationMixin``, so ``genera
 checkpointing, weight init and tying work as for transformers' own classes. What it adds is the
 checkpoint boundary: parameters are stored fused, checkpoints are written and read in
 transformers' unfused format through the architecture's :class:`StateDictAdapter`, so a saved model
-loads with plain ``AutoModelForCausalLM.from_pretrained``.
+loads with plain ``AutoModelForCausalLM.from_pretrained`` (``save_pretrained`` comes from
+``NeMoPreTrainedModel``, the mixin every concrete class puts first, and converts through the
+adapter).
 """
 
 from __future__ import annotations
 
-import copy
 import importlib
 import os
 from pathlib import Path
 from typing import ClassVar
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, initialization
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 
-from nemo_wrap.errors import CheckpointKeyError, DistributedSaveError
+from nemo_wrap.errors import CheckpointKeyError
 from nemo_wrap.models.common.decoder import DecoderModel
 from nemo_wrap.models.common.norm import RMSNorm
 from nemo_wrap.models.common.rope import RotaryEmbedding, rope_inverse_frequencies
 from nemo_wrap.models.common.state_dict_adapter import StateDictAdapter
-
-WEIGHTS_NAME = "model.safetensors"
-
 
 class NeMoCausalLM(PreTrainedModel, GenerationMixin):
     """Decoder-only LM: ``model`` (:class:`DecoderModel`) then ``lm_head``.
@@ -130,43 +127,6 @@ class NeMoCausalLM(PreTrainedModel, GenerationMixin):
     def state_dict_adapter(cls, config: PreTrainedConfig) -> StateDictAdapter:
         """The adapter between this architecture's keys and transformers' for ``config``."""
         return cls.state_dict_adapter_class(config)
-
-    def save_pretrained(
-        self,
-        save_directory: str | os.PathLike,
-        state_dict: dict[str, torch.Tensor] | None = None,
-        is_main_process: bool = True,
-    ) -> None:
-        """Write a transformers checkpoint: unfused keys, ``config.architectures = [hf_architecture]``.
-
-        Single-process: every tensor must be whole and local (a DTensor raises
-        :class:`DistributedSaveError`). The architecture name is set explicitly because
-        transformers derives it from ``type(self).__name__``, which is ours — or ``FSDP…``/``DDP…``
-        once torch's composable APIs have swapped the class.
-        """
-        state_dict = self.state_dict() if state_dict is None else state_dict
-        for key, tensor in state_dict.items():
-            if isinstance(tensor, DTensor):
-                raise DistributedSaveError(
-                    f"save_pretrained writes whole tensors from one process, but {key!r} is a DTensor "
-                    f"with placements {tensor.placements}"
-                )
-        if not is_main_process:
-            return
-        directory = Path(save_directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        hf_state_dict = self.state_dict_adapter(self.config).to_hf(state_dict)
-        save_file(
-            {key: tensor.detach().contiguous() for key, tensor in hf_state_dict.items()},
-            directory / WEIGHTS_NAME,
-            metadata={"format": "pt"},
-        )
-        config = copy.deepcopy(self.config)
-        config.architectures = [self.hf_architecture]
-        config.dtype = self.dtype
-        config.save_pretrained(directory)
-        if self.generation_config is not None:
-            self.generation_config.save_pretrained(directory)
 
     @classmethod
     def from_hf_checkpoint(cls, checkpoint_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> NeMoCausalLM:

@@ -1,0 +1,72 @@
+"""Resumable training checkpoints: model and optimizer state, sharded, through torch's DCP.
+
+A consolidated transformers checkpoint (:mod:`nemo_wrap.checkpoint.save`) is for handing a model
+on; resuming a run needs the optimizer state as well, and gathering every shard onto rank 0 would
+cost memory and time for nothing. So each rank writes and reads its own shards with
+``torch.distributed.checkpoint``; ``get_state_dict``/``set_state_dict`` give the model and
+optimizer state in a form that is keyed by parameter name (not optimizer index) and works for
+DDP, FSDP2, tensor parallel and both. The checkpoint resumes under the same strategy and world
+size it was written with.
+
+The directory is replaced atomically like a consolidated save (:mod:`nemo_wrap.checkpoint.atomic`):
+every rank writes into the staging directory rank 0 created, which needs a filesystem all ranks
+share (as DCP's own file writer does).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from nemo_wrap.checkpoint.atomic import discard, replace_directory, stage_directory
+from nemo_wrap.checkpoint.rank_zero import RankZeroSteps
+from nemo_wrap.errors import CheckpointNotFoundError, CheckpointSaveError
+
+_METADATA_FILE = ".metadata"  # written by DCP's file writer once every rank's data is in
+
+
+def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Write ``model`` and ``optimizer`` state and ``step`` to ``directory``, replacing what is there.
+
+    Every rank calls it. Raises :class:`CheckpointSaveError` on every rank if any rank fails to
+    write; the previous checkpoint at ``directory`` then stays in place.
+    """
+    target = Path(directory).absolute()
+    steps = RankZeroSteps(target, collective=dist.is_initialized() and dist.get_world_size() > 1)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(step, dtype=torch.int64)}
+    staged = steps.run("creating the staging directory", lambda: stage_directory(target, marker=_METADATA_FILE))
+    done = False
+    try:
+        try:
+            dcp.save(state, checkpoint_id=staged)
+        except CheckpointException as error:  # raised on every rank when any rank failed
+            raise CheckpointSaveError(f"{target}: writing the sharded state failed: {error}") from error
+        steps.run("moving the checkpoint into place", lambda: replace_directory(staged, target))
+        done = True
+    finally:
+        if steps.is_writer and not done:
+            discard(staged)
+
+
+def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Restore ``model`` and ``optimizer`` from ``directory`` in place; return the saved step.
+
+    Every rank calls it, with the model sharded as it was when saved. Raises
+    :class:`CheckpointNotFoundError` when ``directory`` holds no checkpoint written by
+    :func:`save_checkpoint`.
+    """
+    path = Path(directory)
+    if not (path / _METADATA_FILE).is_file():
+        raise CheckpointNotFoundError(f"{path}: no resumable checkpoint ({_METADATA_FILE} missing)")
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(0, dtype=torch.int64)}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return int(state["step"])

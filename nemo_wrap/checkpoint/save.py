@@ -1,0 +1,175 @@
+"""A consolidated Hugging Face checkpoint written from a model under any strategy.
+
+The result is what transformers itself would write for the unsharded model, so that plain
+``AutoModelForCausalLM.from_pretrained`` (and inference servers, converters) can read it:
+``config.json`` naming the transformers architecture (never ``NeMo…``/``DDP…``/``FSDP…``),
+safetensors with transformers' keys (our fused projections split back through the adapter, a tied
+``lm_head`` omitted), several files plus ``model.safetensors.index.json`` above ``max_shard_size``,
+``generation_config.json`` and the tokenizer when given.
+
+Every rank calls it. Sharded tensors are gathered one at a time with ``full_tensor()`` in the same
+order on every rank; only rank 0 keeps them and writes, one file's worth at a time. transformers'
+``save_pretrained`` is not used: called on rank 0 alone under a process group it can hang the other
+ranks, and it names the class it is called on. The directory appears atomically
+(:mod:`nemo_wrap.checkpoint.atomic`), and rank 0's outcome is every rank's outcome
+(:mod:`nemo_wrap.checkpoint.rank_zero`), so all ranks return or raise together.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+
+from nemo_wrap.checkpoint.atomic import discard, replace_directory, stage_directory
+from nemo_wrap.checkpoint.locate import INDEX_FILE, SINGLE_FILE
+from nemo_wrap.checkpoint.rank_zero import RankZeroSteps
+from nemo_wrap.errors import InvalidShardSizeError, UnsupportedModelError
+from nemo_wrap.loading.read import checkpoint_tensors
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' default
+_CONFIG_FILE = "config.json"  # an existing directory holding one is a checkpoint we may replace
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def save_hf_checkpoint(
+    model: PreTrainedModel,
+    save_directory: str | Path,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> None:
+    """Write ``model`` as one transformers checkpoint at ``save_directory``, replacing what is there.
+
+    Under a process group of more than one rank every rank must call it, sharded model or not
+    (tensors are gathered collectively and rank 0's outcome is broadcast); rank 0 writes. ``max_shard_size`` is bytes or a size like ``"5GB"``/
+    ``"500MiB"``; a tensor larger than it gets a file of its own. Raises
+    :class:`CheckpointSaveError` on every rank if writing fails; the previous checkpoint at
+    ``save_directory`` then stays in place.
+    """
+    target = Path(save_directory).absolute()
+    limit = _parse_size(max_shard_size)
+    architecture = getattr(type(model), "hf_architecture", None)
+    if architecture is None:
+        raise UnsupportedModelError(f"{type(model).__name__} names no hf_architecture to write into {target / 'config.json'}")
+    tensors, _ = checkpoint_tensors(model)  # tie targets omitted, as transformers does
+    steps = RankZeroSteps(target, collective=dist.is_initialized() and dist.get_world_size() > 1)
+    to_hf = _hf_keys_converter(model)
+    files = _plan_files(tensors, limit)
+
+    staged = steps.run("creating the staging directory", lambda: stage_directory(target, marker=_CONFIG_FILE))
+    done = False
+    try:
+        weight_map: dict[str, str] = {}
+        total_size = 0
+        for filename, names in files.items():
+            shard = {}
+            for name in names:  # same order on every rank: each full_tensor() is a collective
+                full = _gather(tensors[name])
+                if steps.is_writer:
+                    shard.update(to_hf(name, full))
+            weight_map.update(dict.fromkeys(shard, filename))
+            total_size += sum(t.numel() * t.element_size() for t in shard.values())
+            steps.run(f"writing {filename}", lambda: save_file(shard, staged / filename, metadata={"format": "pt"}))
+            del shard
+        steps.run("writing the config and finishing", lambda: _finish(
+            model, architecture, tensors, tokenizer, staged, target,
+            index={"metadata": {"total_size": total_size}, "weight_map": weight_map} if len(files) > 1 else None,
+        ))
+        done = True
+    finally:
+        if steps.is_writer and not done:
+            discard(staged)
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size > 0:
+            return size
+    elif isinstance(size, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", size)
+        if match and match.group(2).upper() in _UNITS and float(match.group(1)) > 0:
+            return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    raise InvalidShardSizeError(
+        f"max_shard_size must be a positive number of bytes or a size such as '5GB' or '500MiB', got {size!r}"
+    )
+
+
+def _hf_keys_converter(model: PreTrainedModel) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One full tensor of ours → the transformers tensors it stands for (through the adapter, if any).
+
+    Fused parts are views of one tensor; safetensors refuses tensors that share storage, so parts
+    are copied.
+    """
+    factory = getattr(type(model), "state_dict_adapter", None)
+    if factory is None:
+        return lambda name, tensor: {name: tensor}
+    adapter = factory(model.config)
+
+    def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        parts = adapter.to_hf({name: tensor})
+        return parts if len(parts) == 1 else {key: part.clone() for key, part in parts.items()}
+
+    return convert
+
+
+def _plan_files(tensors: dict[str, torch.Tensor], limit: int) -> dict[str, list[str]]:
+    """File name → the names of the tensors it holds, filled greedily in order up to ``limit`` bytes.
+
+    Sizes come from global shapes, so every rank computes the same plan without gathering.
+    """
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if len(groups) == 1:
+        return {SINGLE_FILE: groups[0]}
+    stem = SINGLE_FILE.removesuffix(".safetensors")
+    return {f"{stem}-{i:05d}-of-{len(groups):05d}.safetensors": group for i, group in enumerate(groups, start=1)}
+
+
+def _gather(tensor: torch.Tensor) -> torch.Tensor:
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return full.detach().to("cpu").contiguous()
+
+
+def _finish(
+    model: PreTrainedModel,
+    architecture: str,
+    tensors: dict[str, torch.Tensor],
+    tokenizer: PreTrainedTokenizerBase | None,
+    staged: Path,
+    target: Path,
+    index: dict | None,
+) -> None:
+    """Index, config, generation config and tokenizer into ``staged``; then swap it in."""
+    if index is not None:
+        (staged / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config = copy.deepcopy(model.config)
+    config.architectures = [architecture]
+    floating = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    if floating:
+        config.dtype = floating[0]
+    config.save_pretrained(staged)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(staged)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(staged)
+    replace_directory(staged, target)

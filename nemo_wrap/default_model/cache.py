@@ -1,0 +1,49 @@
+"""Where the embedded default lives, and how it gets there exactly once.
+
+Every rank of a job (and every test worker) may ask for the default at the same moment. One
+process builds it under a file lock, into a temporary directory beside the final one, and renames
+that directory into place: a directory that exists under the final name is therefore complete,
+and readers that find it never take the lock. The others wait on the lock and then find it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from filelock import FileLock
+
+from nemo_wrap.default_model.recipe import write_default_model
+
+# Bump the suffix whenever the recipe (corpus, tokenizer, config, seed) changes: the name is the
+# cache key, and an old directory under the same name would otherwise be reused.
+DEFAULT_MODEL_NAME = "default-llama-v1"
+
+
+def cache_root() -> Path:
+    """``$NEMO_WRAP_CACHE``, else ``$XDG_CACHE_HOME/nemo_wrap``, else ``~/.cache/nemo_wrap``."""
+    explicit = os.environ.get("NEMO_WRAP_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "nemo_wrap"
+
+
+def default_model_path(root: str | Path | None = None) -> Path:
+    """The default checkpoint's directory under ``root`` (default :func:`cache_root`), built on first use."""
+    root = cache_root() if root is None else Path(root)
+    target = root / DEFAULT_MODEL_NAME
+    if target.is_dir():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{DEFAULT_MODEL_NAME}.lock")):
+        if not target.is_dir():  # another process may have built it while we waited
+            staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=root))
+            try:
+                write_default_model(staging)
+                os.rename(staging, target)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    return target
