@@ -12,12 +12,9 @@ adapter).
 from __future__ import annotations
 
 import importlib
-import os
-from pathlib import Path
 from typing import ClassVar
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, initialization
@@ -25,7 +22,6 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 
-from nemo_wrap.errors import CheckpointKeyError
 from nemo_wrap.models.common.decoder import DecoderModel
 from nemo_wrap.models.common.norm import RMSNorm
 from nemo_wrap.models.common.rope import RotaryEmbedding, rope_inverse_frequencies
@@ -127,29 +123,3 @@ class NeMoCausalLM(PreTrainedModel, GenerationMixin):
     def state_dict_adapter(cls, config: PreTrainedConfig) -> StateDictAdapter:
         """The adapter between this architecture's keys and transformers' for ``config``."""
         return cls.state_dict_adapter_class(config)
-
-    @classmethod
-    def from_hf_checkpoint(cls, checkpoint_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> NeMoCausalLM:
-        """Build this model from a transformers checkpoint directory, in one process.
-
-        Reads every ``*.safetensors`` file, fuses through the adapter, and assigns the tensors to a
-        model built on the meta device (no throw-away random init). ``dtype`` casts floating
-        tensors; by default they keep the checkpoint's dtype.
-        """
-        directory = Path(checkpoint_dir)
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise CheckpointKeyError(f"checkpoint_dir {str(directory)!r} has no *.safetensors file")
-        config = cls.config_class.from_pretrained(directory)
-        hf_state_dict = {}
-        for file in files:
-            hf_state_dict.update(load_file(file))
-        state_dict = cls.state_dict_adapter(config).from_hf(hf_state_dict)
-        if dtype is not None:
-            state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-        with torch.device("meta"):
-            model = cls(config)
-        model.load_state_dict(state_dict, strict=True, assign=True)
-        model.model.rotary_emb.reset_inv_freq()
-        model.tie_weights()
-        return model

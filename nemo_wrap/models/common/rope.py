@@ -66,17 +66,13 @@ class RotaryEmbedding(nn.Module):
     """Turns position ids into the ``(cos, sin)`` pair that :func:`apply_rotary` consumes.
 
     ``inv_freq`` is a non-persistent buffer (never in checkpoints); after building on the meta
-    device or ``to_empty`` it holds no values, so :meth:`reset_inv_freq` recomputes it.
+    device or ``to_empty`` it holds no values, so the model's init rule recomputes it from the config.
     """
 
     def __init__(self, config: PreTrainedConfig) -> None:
         super().__init__()
         self.config = config
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
-
-    def reset_inv_freq(self, device: torch.device | str = "cpu") -> None:
-        """Recompute ``inv_freq`` from the config, on ``device``."""
-        self.inv_freq = rope_inverse_frequencies(self.config).to(device)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``position_ids (batch, seq)`` → ``cos, sin (batch, seq, head_dim)``, computed in float32."""
