@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,22 +20,16 @@ from nemo_wrap.checkpoint.safetensors_file import BlockReader, TensorEntry
 from nemo_wrap.errors import ShapeMismatchError
 from nemo_wrap.initialization.geometry import local_shard, shard_geometry
 from nemo_wrap.loading.provenance import Loaded, Missing, Provenance, Tied
-
-
-@dataclass(frozen=True)
-class _Source:
-    hf_key: str
-    hf_rows: slice
-    local_rows: slice
+from nemo_wrap.models.common.state_dict_adapter import HFSource
 
 
 class _IdentityAdapter:
     """transformers' classes: parameter names are checkpoint keys, rows map one to one."""
 
-    def hf_sources(self, key: str, row_start: int, row_stop: int) -> list[_Source]:
+    def hf_sources(self, key: str, row_start: int, row_stop: int) -> list[HFSource]:
         if row_start == row_stop:
             return []
-        return [_Source(key, slice(row_start, row_stop), slice(0, row_stop - row_start))]
+        return [HFSource(key, slice(row_start, row_stop), slice(0, row_stop - row_start))]
 
 
 def adapter_for(model: nn.Module):
