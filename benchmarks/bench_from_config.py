@@ -40,7 +40,7 @@ def _measure(kind: str, output: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from nemo_wrap import DistributedSetup, initialize_distributed
-    from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+    from nemo_wrap.auto import NeMoAutoModelForCausalLM
 
     config = _config()
     setup = None

@@ -74,7 +74,7 @@ def _measure(kind: str, output: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from nemo_wrap import DistributedSetup, initialize_distributed
-    from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+    from nemo_wrap.auto import NeMoAutoModelForCausalLM
     from nemo_wrap.checkpoint.locate import open_checkpoint
     from nemo_wrap.checkpoint.safetensors_file import BlockReader
 

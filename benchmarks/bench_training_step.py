@@ -36,7 +36,7 @@ def _measure(kind: str, output: Path) -> None:
     from transformers import LlamaForCausalLM
 
     from nemo_wrap import DistributedSetup, initialize_distributed
-    from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+    from nemo_wrap.auto import NeMoAutoModelForCausalLM
     from nemo_wrap.training import train_step
 
     env = initialize_distributed()

@@ -37,10 +37,11 @@ from nemo_wrap.errors import (
 __version__ = "0.1.0"
 
 _LAZY = {
-    "NeMoAutoModelForCausalLM": "nemo_wrap.auto_model",
+    "NeMoAutoModelForCausalLM": "nemo_wrap.auto",
     "NeMoPreTrainedModel": "nemo_wrap.initialization",
-    "MODEL_ARCH_MAPPING": "nemo_wrap.arch_mapping",
-    "register_architecture": "nemo_wrap.arch_mapping",
+    "MODEL_ARCH_MAPPING": "nemo_wrap.models.registry",
+    "ModelSpec": "nemo_wrap.models.spec",
+    "register_architecture": "nemo_wrap.models.registry",
     "LoadPlan": "nemo_wrap.loading.plan",
     "LoadReport": "nemo_wrap.loading.provenance",
     "save_checkpoint": "nemo_wrap.checkpoint",
@@ -66,6 +67,7 @@ __all__ = [
     "LoadVerificationError",
     "MODEL_ARCH_MAPPING",
     "MissingWeightsError",
+    "ModelSpec",
     "NeMoAutoModelForCausalLM",
     "NeMoPreTrainedModel",
     "NeMoWrapError",

@@ -20,16 +20,17 @@ from pathlib import Path
 
 from nemo_wrap.distributed import DistributedSetup, destroy_distributed, initialize_distributed
 from nemo_wrap.errors import InvalidSetupError, NeMoWrapError, TokenizerNotFoundError
+from nemo_wrap.validation import require_positive_int
 
 _COMMANDS = ("finetune", "plan", "report")
 DEFAULT_OUTPUT_DIR = "nemo_wrap_output"
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+    try:
+        return require_positive_int(int(text), "the value", InvalidSetupError)
+    except InvalidSetupError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _positive_float(text: str) -> float:
@@ -121,7 +122,7 @@ def _tokenizer(path: Path):
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+    from nemo_wrap.auto import NeMoAutoModelForCausalLM
 
     world_size = args.nproc or _launched_world_size() or 1
     setup = DistributedSetup.build(args.strategy, world_size, tp_size=args.tp_size)
@@ -130,7 +131,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+    from nemo_wrap.auto import NeMoAutoModelForCausalLM
 
     path = _model_path(args)
     env = initialize_distributed()
@@ -148,7 +149,7 @@ def _run_finetune(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+    from nemo_wrap.auto import NeMoAutoModelForCausalLM
     from nemo_wrap.default_model import bundled_corpus
     from nemo_wrap.training import iterate_batches, read_token_windows, train_step
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,

@@ -88,6 +88,20 @@ def test_plan_describes_a_job_without_launching_it(cache, capsys):
     assert not dist.is_initialized()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's answer")
+def test_plan_of_a_megatron_fsdp_job_prints_on_a_cpu_machine(cache, capsys):
+    """A plan describes a job for another machine: no CUDA check until a model is sharded."""
+    assert main(["plan", "--strategy", "megatron_fsdp", "--nproc", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("load plan: NeMoLlamaForCausalLM") and "megatron_fsdp on 8 rank(s), tp=1" in out
+    assert "megatron_fsdp needs real full weights: shard after they are in place" in out
+    with pytest.raises(SystemExit) as excinfo:  # loading here still refuses, naming the reason
+        main(["report", "--strategy", "megatron_fsdp"])
+    assert excinfo.value.code == 2
+    assert "needs CUDA" in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
 def test_report_lists_every_tensor_and_verifies(cache, capsys):
     assert main(["report", "--strategy", "ddp"]) == 0
     out = capsys.readouterr().out

@@ -13,7 +13,7 @@ from nemo_wrap import (
     NeMoWrapError,
     StrategyUnavailableError,
 )
-from nemo_wrap.distributed.setup import FSDP2Options
+from nemo_wrap.distributed.strategies.fsdp2 import FSDP2Options
 
 
 # -- pure data, one process --------------------------------------------------------------------
@@ -42,8 +42,14 @@ def test_invalid_arguments_name_the_argument(kwargs, named):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
 def test_megatron_fsdp_without_cuda_names_the_alternative():
+    """Describing a megatron_fsdp job works anywhere; loading with it here refuses, before any work."""
+    from nemo_wrap.auto import NeMoAutoModelForCausalLM
+    from tests.tiny_models import tiny_config
+
+    setup = DistributedSetup.build("megatron_fsdp", world_size=8)
+    assert "megatron_fsdp on 8 rank(s)" in str(NeMoAutoModelForCausalLM.plan(tiny_config("llama"), setup))
     with pytest.raises(StrategyUnavailableError) as excinfo:
-        DistributedSetup.build("megatron_fsdp", world_size=2)
+        NeMoAutoModelForCausalLM.from_config(tiny_config("llama"), distributed_setup=setup)
     message = str(excinfo.value)
     assert "CUDA" in message and "strategy='fsdp2'" in message
 

@@ -9,8 +9,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from nemo_wrap import DistributedSetup
-from nemo_wrap.auto_model import NeMoAutoModelForCausalLM, _build_on_meta, _materialize
-from nemo_wrap.arch_mapping import resolve_model_source
+from nemo_wrap.auto import NeMoAutoModelForCausalLM
+from nemo_wrap.auto.pipeline import build_on_meta as _build_on_meta
+from nemo_wrap.auto.pipeline import materialize as _materialize
+from nemo_wrap.models.registry import resolve_model_source
 from tests.tiny_models import ALL_KINDS, OWN_KINDS, TENSOR_PARALLEL_KINDS, tiny_config
 
 SEED = 1234
@@ -142,7 +144,7 @@ def test_own_classes_draw_transformers_distributions(kind):
 
     config = tiny_config(kind, hidden_size=128, intermediate_size=256)
     ours = NeMoAutoModelForCausalLM.from_config(config, seed=SEED)
-    ours_hf = ours.state_dict_adapter(ours.config).to_hf(ours.state_dict())
+    ours_hf = ours.state_dict_adapter().to_hf(ours.state_dict())
     torch.manual_seed(0)
     theirs = AutoModelForCausalLM.from_config(config).state_dict()
     assert ours_hf.keys() == theirs.keys()

@@ -9,9 +9,9 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from nemo_wrap import DistributedSetup
-from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.initialization.geometry import local_shard, shard_geometry
-from nemo_wrap.loading.read import adapter_for, checkpoint_tensors
+from nemo_wrap.state_dict import checkpoint_tensors
 from nemo_wrap.models.common.causal_lm import NeMoCausalLM
 from tests.checkpoints import write_checkpoint
 
@@ -37,7 +37,7 @@ def _hf_full_state(path: str, model) -> dict[str, torch.Tensor]:
     hf = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         hf.update(load_file(file))
-    adapter = adapter_for(model)
+    adapter = model.state_dict_adapter()
     return adapter.from_hf(hf) if hasattr(adapter, "from_hf") else hf
 
 
@@ -136,7 +136,6 @@ def case_verify(path, strategy, tp_size, corrupt_rank):
     # Now damage one element of one rank's shard and verify again: it must be caught everywhere.
     import torch.distributed as dist
 
-    from nemo_wrap.loading.read import adapter_for as adapter_of
     from nemo_wrap.loading.verify import verify_load
     from nemo_wrap.checkpoint.locate import open_checkpoint
     from pathlib import Path
@@ -147,7 +146,7 @@ def case_verify(path, strategy, tp_size, corrupt_rank):
             local_shard(weight).view(-1)[3] += 1.0
     distinct, _ = checkpoint_tensors(model)
     try:
-        verify_load(distinct, model.load_report.provenance, adapter_of(model), open_checkpoint(Path(path)), torch.device("cpu"))
+        verify_load(distinct, model.load_report.provenance, model.state_dict_adapter(), open_checkpoint(Path(path)))
     except LoadVerificationError as error:
         return verified, str(error)
     return verified, None
@@ -173,7 +172,7 @@ def test_hub_id_resolves_through_a_prepopulated_offline_cache(checkpoints, tmp_p
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
     script = (
-        "from nemo_wrap.auto_model import NeMoAutoModelForCausalLM\n"
+        "from nemo_wrap.auto import NeMoAutoModelForCausalLM\n"
         "m = NeMoAutoModelForCausalLM.from_pretrained('tiny-org/tiny-llama', force_hf=True)\n"
         "print(m.load_report.counts()['checkpoint'], all(bool((p == 0.5).all()) for p in m.parameters()))\n"
     )

@@ -211,7 +211,7 @@ def case_sharded_init(key, layout):
     }
 
 
-def case_loaded_names_fsdp(key, loaded, via_attribute):
+def case_loaded_names_fsdp(key, loaded):
     """Loaded parameters keep their (pattern) values bit for bit; everything else is initialized."""
     from nemo_wrap.initialization.geometry import local_shard
 
@@ -223,11 +223,7 @@ def case_loaded_names_fsdp(key, loaded, via_attribute):
             local = local_shard(model.get_parameter(name))
             local.copy_(torch.randn(local.shape, generator=torch.Generator().manual_seed(len(name))))
             pattern[name] = local.clone()
-    if via_attribute:
-        model.nemo_loaded_names = frozenset(loaded)
-        model.initialize_weights(seed=SEED)
-    else:
-        model.initialize_weights(loaded_names=loaded, seed=SEED)
+    model.initialize_weights(loaded_names=loaded, seed=SEED)
     untouched = {name: torch.equal(local_shard(model.get_parameter(name)), pattern[name]) for name in loaded}
     return untouched, _full_state(model)
 
@@ -335,10 +331,9 @@ def test_seed_resolution():
     model.initialize_weights()  # default: torch.initial_seed()
     assert all(torch.equal(t, reference[n]) for n, t in _full_state(model).items())
     torch.manual_seed(99)
-    model.nemo_init_seed = 11  # the attribute wins over torch's seed
-    model.initialize_weights()
+    model.initialize_weights(seed=11)  # the argument wins over torch's seed
     assert all(torch.equal(t, reference[n]) for n, t in _full_state(model).items())
-    model.initialize_weights(seed=12)  # the argument wins over the attribute
+    model.initialize_weights(seed=12)
     assert not torch.equal(_full_state(model)["lm_head.weight"], reference["lm_head.weight"])
 
 
@@ -363,7 +358,7 @@ def test_meta_model_is_left_alone():
     assert all(t.is_meta for _, t in _named_tensors(model))
 
 
-@pytest.mark.parametrize("via", ["argument", "attribute", "flag"])
+@pytest.mark.parametrize("via", ["argument", "flag"])
 def test_loaded_names_and_flags_untouched(via):
     model = _meta_model("llama")
     model.to_empty(device="cpu")
@@ -374,9 +369,6 @@ def test_loaded_names_and_flags_untouched(via):
             model.get_parameter(name).fill_(-3.0)
     if via == "argument":
         model.initialize_weights(loaded_names=set(loaded), seed=SEED)
-    elif via == "attribute":
-        model.nemo_loaded_names = frozenset(loaded)
-        model.initialize_weights(seed=SEED)
     else:
         for name in loaded:
             model.get_parameter(name)._is_hf_initialized = True
@@ -499,7 +491,7 @@ def test_init_weights_called_alone_matches_the_walk():
     model = _meta_model("llama")
     model.to_empty(device="cpu")
     _fill_sentinel(model)
-    model.nemo_init_seed = SEED
+    torch.manual_seed(SEED)  # outside a walk, the rule is seeded by torch's seed
     model._init_weights(model.model.embed_tokens)
     weight = model.model.embed_tokens.weight.detach()
     assert torch.equal(weight, _reference("llama")["model.embed_tokens.weight"])
@@ -565,10 +557,9 @@ def test_four_rank_layouts_reproduce_one_process(ranks4, references, key, layout
     _assert_matches(key, results[0]["state"], references(key))
 
 
-@pytest.mark.parametrize("via_attribute", [False, True])
-def test_loaded_names_untouched_under_fsdp(ranks2, references, via_attribute):
+def test_loaded_names_untouched_under_fsdp(ranks2, references):
     loaded = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
-    results = ranks2.run(case_loaded_names_fsdp, "qwen3", loaded, via_attribute)
+    results = ranks2.run(case_loaded_names_fsdp, "qwen3", loaded)
     reference = references("qwen3")
     for untouched, state in results:
         assert all(untouched.values()), untouched

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from nemo_wrap import DistributedSetup
-from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.loading.plan import Step, make_load_plan
 from tests.checkpoints import write_checkpoint
 from tests.tiny_models import tiny_config

@@ -22,7 +22,7 @@ def test_megatron_fsdp_losses_match_plain_model_on_one_gpu():
     from megatron_fsdp import fully_shard_optimizer
 
     from nemo_wrap import DistributedSetup, destroy_distributed, initialize_distributed
-    from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+    from nemo_wrap.auto import NeMoAutoModelForCausalLM
     from tests.tiny_models import tiny_config
 
     env = initialize_distributed()

@@ -24,9 +24,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from nemo_wrap.distributed.sharding.tensor_parallel import check_tensor_parallel_supported
+from nemo_wrap.distributed.tensor_parallel import check_tensor_parallel_supported
 from nemo_wrap.errors import CheckpointKeyError, ShardingError, UnsupportedModelConfigError
 from nemo_wrap.models.common.layouts import GateUpLayout, QKVLayout
+from nemo_wrap.models import llama, qwen2, qwen3
 from nemo_wrap.models.llama import NeMoLlamaForCausalLM
 from nemo_wrap.models.qwen2 import NeMoQwen2ForCausalLM
 from nemo_wrap.models.qwen3 import NeMoQwen3ForCausalLM
@@ -36,6 +37,7 @@ ARCHITECTURES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, NeMoQwen2ForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, NeMoQwen3ForCausalLM, {"head_dim": 12}),
 }
+SPECS = {"llama": llama.SPEC, "qwen2": qwen2.SPEC, "qwen3": qwen3.SPEC}
 
 
 def tiny_config(arch: str, *, kv_heads: int = 2, tied: bool = False):
@@ -111,7 +113,7 @@ def _hf_keys(arch: str, config) -> set[str]:
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_adapter_round_trip_uses_transformers_keys(arch, tied):
     config = tiny_config(arch, tied=tied)
-    adapter = ARCHITECTURES[arch][2].state_dict_adapter(config)
+    adapter = SPECS[arch].adapter(config)
     ours = _our_state_dict(arch, config)
     hf = adapter.to_hf(ours)
     assert set(hf) == _hf_keys(arch, config)
@@ -125,7 +127,7 @@ def test_adapter_round_trip_uses_transformers_keys(arch, tied):
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_hf_sources_agree_with_from_hf_on_random_row_ranges(arch):
     config = tiny_config(arch, kv_heads=2, tied=True)
-    adapter = ARCHITECTURES[arch][2].state_dict_adapter(config)
+    adapter = SPECS[arch].adapter(config)
     ours = _our_state_dict(arch, config)
     hf = adapter.to_hf(ours)
     full = adapter.from_hf(hf)
@@ -146,7 +148,7 @@ def test_hf_sources_agree_with_from_hf_on_random_row_ranges(arch):
 
 
 def test_hf_keys_name_the_parts_of_fused_and_tied_keys():
-    adapter = NeMoLlamaForCausalLM.state_dict_adapter(tiny_config("llama", tied=True))
+    adapter = llama.SPEC.adapter(tiny_config("llama", tied=True))
     assert adapter.hf_keys("model.layers.1.self_attn.qkv_proj.bias") == [
         "model.layers.1.self_attn.q_proj.bias",
         "model.layers.1.self_attn.k_proj.bias",
@@ -161,7 +163,7 @@ def test_hf_keys_name_the_parts_of_fused_and_tied_keys():
 
 def test_adapter_errors_name_the_key():
     config = tiny_config("llama")
-    adapter = NeMoLlamaForCausalLM.state_dict_adapter(config)
+    adapter = llama.SPEC.adapter(config)
     hf = adapter.to_hf(_our_state_dict("llama", config))
     without_k = {key: value for key, value in hf.items() if key != "model.layers.0.self_attn.k_proj.weight"}
     with pytest.raises(CheckpointKeyError, match=re.escape("model.layers.0.self_attn.k_proj.weight")):
@@ -175,17 +177,20 @@ def test_adapter_errors_name_the_key():
 
 
 # -- preconditions -----------------------------------------------------------------------------
+PLAN = llama.SPEC.parallel_plan()
+
+
 def test_tensor_parallel_compatibility_names_the_field_and_tp_size():
     config = tiny_config("llama", kv_heads=2)
     for tp in (1, 2):
-        check_tensor_parallel_supported(NeMoLlamaForCausalLM, config, tp)
+        check_tensor_parallel_supported(PLAN, config, tp, "NeMoLlamaForCausalLM")
     with pytest.raises(ShardingError, match=r"num_key_value_heads=2.*tp_size=4"):
-        check_tensor_parallel_supported(NeMoLlamaForCausalLM, config, 4)
+        check_tensor_parallel_supported(PLAN, config, 4, "NeMoLlamaForCausalLM")
     odd_mlp = LlamaConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=4, intermediate_size=30)
     with pytest.raises(ShardingError, match=r"intermediate_size=30.*tp_size=4"):
-        check_tensor_parallel_supported(NeMoLlamaForCausalLM, odd_mlp, 4)
+        check_tensor_parallel_supported(PLAN, odd_mlp, 4, "NeMoLlamaForCausalLM")
     with pytest.raises(ShardingError, match="tp_size"):
-        check_tensor_parallel_supported(NeMoLlamaForCausalLM, config, 0)
+        check_tensor_parallel_supported(PLAN, config, 0, "NeMoLlamaForCausalLM")
 
 
 def test_unsupported_rope_type_is_refused_at_build():

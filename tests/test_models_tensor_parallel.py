@@ -11,22 +11,29 @@ from __future__ import annotations
 import pytest
 
 _ARCHITECTURES = {
-    "llama": ("transformers:LlamaConfig", "nemo_wrap.models.llama:NeMoLlamaForCausalLM"),
-    "qwen2": ("transformers:Qwen2Config", "nemo_wrap.models.qwen2:NeMoQwen2ForCausalLM"),
-    "qwen3": ("transformers:Qwen3Config", "nemo_wrap.models.qwen3:NeMoQwen3ForCausalLM"),
+    "llama": ("LlamaConfig", "nemo_wrap.models.llama", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "nemo_wrap.models.qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "nemo_wrap.models.qwen3", "Qwen3ForCausalLM"),
 }
 
 
 def _build(arch: str, kv_heads: int, tied: bool):
-    """(model class, the tensor-parallel entry point, a tiny config) for ``arch``."""
+    """(model class, the tensor-parallel entry point, a tiny config) for ``arch``.
+
+    The class is the one ``NeMoAutoModelForCausalLM`` returns for the architecture (our fused class
+    with saving composed in); the entry point applies the architecture spec's plan.
+    """
     import importlib
+    from functools import partial
 
-    from nemo_wrap.distributed.sharding.tensor_parallel import apply_tensor_parallel
+    import transformers
 
-    config_path, model_path = _ARCHITECTURES[arch]
-    config_class = getattr(importlib.import_module(config_path.split(":")[0]), config_path.split(":")[1])
-    package, model_name = model_path.split(":")
-    module = importlib.import_module(package)
+    from nemo_wrap.auto import NeMoAutoModelForCausalLM
+    from nemo_wrap.distributed.tensor_parallel import apply_tensor_parallel
+
+    config_name, package, architecture = _ARCHITECTURES[arch]
+    config_class = getattr(transformers, config_name)
+    spec = importlib.import_module(package).SPEC
     extra = {"head_dim": 24} if arch == "qwen3" else {"attention_bias": True} if arch == "llama" else {}
     config = config_class(
         vocab_size=97,  # odd: the vocab-parallel embedding and lm_head shard unevenly (49 + 48 rows)
@@ -37,9 +44,12 @@ def _build(arch: str, kv_heads: int, tied: bool):
         num_key_value_heads=kv_heads,
         tie_word_embeddings=tied,
         pad_token_id=0,
+        architectures=[architecture],
         **extra,
     )
-    return getattr(module, model_name), apply_tensor_parallel, config
+    model_class = NeMoAutoModelForCausalLM.model_class(config)
+    assert issubclass(model_class, spec.model_class)
+    return model_class, partial(apply_tensor_parallel, plan=spec.parallel_plan()), config
 
 
 def _seeded_model(model_class, config):
@@ -127,7 +137,7 @@ def test_save_pretrained_from_tensor_parallel_loads_in_transformers(ranks2, tmp_
     ranks2.run(case_save_pretrained_from_tensor_parallel, str(tmp_path))
     model_class, _, config = _build("llama", 2, False)
     reference = _seeded_model(model_class, config)
-    expected = reference.state_dict_adapter(config).to_hf(reference.state_dict())
+    expected = reference.state_dict_adapter().to_hf(reference.state_dict())
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path).state_dict()
     assert reloaded.keys() == expected.keys()
     for key, tensor in expected.items():

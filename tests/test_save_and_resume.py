@@ -24,7 +24,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from nemo_wrap import DistributedSetup
-from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.checkpoint import load_checkpoint, save_checkpoint
 from nemo_wrap.checkpoint import save as save_module
 from nemo_wrap.errors import CheckpointSaveError, InvalidShardSizeError
@@ -58,7 +58,7 @@ def _hf_reference_state(which: str, tie: bool) -> dict[str, torch.Tensor]:
     state = model.state_dict()
     if CLASSES[which][1]:  # transformers' class: its keys already; a tied lm_head is not written
         return {k: v for k, v in state.items() if not (tie and k == "lm_head.weight")}
-    return model.state_dict_adapter(model.config).to_hf(state)
+    return model.state_dict_adapter().to_hf(state)
 
 
 def _saved_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -171,7 +171,7 @@ _KILLED_SAVE = textwrap.dedent(
     import sys, time
     from pathlib import Path
     sys.path.insert(0, {repo!r})
-    from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+    from nemo_wrap.auto import NeMoAutoModelForCausalLM
     from nemo_wrap.checkpoint import save as save_module
     from tests.tiny_models import tiny_config
 

@@ -8,7 +8,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
 from nemo_wrap import DistributedSetup
-from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.errors import ShardingError
 from nemo_wrap.initialization import NeMoPreTrainedModel
 from tests.tiny_models import tiny_config

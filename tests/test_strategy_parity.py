@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from nemo_wrap import DistributedSetup
-from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.training import clip_grad_norm_, train_step
 from tests.tiny_models import tiny_config
 

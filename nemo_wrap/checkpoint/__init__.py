@@ -3,7 +3,7 @@
 - :mod:`.locate`, :mod:`.safetensors_file`: locating, validating and reading checkpoint files.
 - :mod:`.save`: one consolidated transformers checkpoint from any strategy (``save_pretrained``).
 - :mod:`.resume`: :func:`save_checkpoint` / :func:`load_checkpoint`, sharded model + optimizer state.
-- :mod:`.atomic`, :mod:`.rank_zero`: directories swapped in whole; rank 0's outcome on every rank.
+- :mod:`.atomic`: directories swapped in whole, so a killed save never leaves half a checkpoint.
 
 The resume functions load on first access: ``torch.distributed.checkpoint`` takes over a second to
 import, and the loader imports this package.

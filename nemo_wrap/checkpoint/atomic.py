@@ -62,6 +62,11 @@ def replace_directory(staged: Path, target: Path) -> None:
         shutil.rmtree(previous)
 
 
+def save_failed(target: Path, description: str) -> CheckpointSaveError:
+    """The error every rank raises when writing the checkpoint at ``target`` failed."""
+    return CheckpointSaveError(f"{target}: {description}")
+
+
 def discard(staged: Path) -> None:
     """Remove a staging directory after a failed save (best effort: the failure is what matters)."""
     shutil.rmtree(staged, ignore_errors=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from nemo_wrap.checkpoint.safetensors_file import TensorEntry, read_header
+from nemo_wrap.distributed.collectives import is_multi_rank
 from nemo_wrap.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -32,10 +33,6 @@ class Checkpoint:
     directory: Path
     entries: dict[str, TensorEntry]
     pickle_tensors: dict[str, torch.Tensor] | None = None  # only for explicitly allowed .bin files
-
-    @property
-    def files(self) -> tuple[Path, ...]:
-        return tuple(sorted({entry.file for entry in self.entries.values()}))
 
 
 def resolve_checkpoint_directory(path_or_id: str | Path, local_rank: int = 0) -> Path:
@@ -57,7 +54,7 @@ def _from_hub_cache(repo_id: str, local_rank: int) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    distributed = is_multi_rank()
     error: Exception | None = None
     directory = None
     if local_rank == 0:

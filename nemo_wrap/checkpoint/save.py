@@ -12,7 +12,7 @@ order on every rank; only rank 0 keeps them and writes, one file's worth at a ti
 ``save_pretrained`` is not used: called on rank 0 alone under a process group it can hang the other
 ranks, and it names the class it is called on. The directory appears atomically
 (:mod:`nemo_wrap.checkpoint.atomic`), and rank 0's outcome is every rank's outcome
-(:mod:`nemo_wrap.checkpoint.rank_zero`), so all ranks return or raise together.
+(:func:`nemo_wrap.distributed.collectives.on_rank_zero`), so all ranks return or raise together.
 """
 
 from __future__ import annotations
@@ -21,19 +21,19 @@ import copy
 import json
 import re
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from nemo_wrap.checkpoint.atomic import discard, replace_directory, stage_directory
+from nemo_wrap.checkpoint.atomic import discard, replace_directory, save_failed, stage_directory
 from nemo_wrap.checkpoint.locate import INDEX_FILE, SINGLE_FILE
-from nemo_wrap.checkpoint.rank_zero import RankZeroSteps
-from nemo_wrap.errors import InvalidShardSizeError, UnsupportedModelError
-from nemo_wrap.loading.read import checkpoint_tensors
+from nemo_wrap.distributed.collectives import is_rank_zero, on_rank_zero
+from nemo_wrap.errors import CheckpointSaveError, InvalidShardSizeError
+from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -47,50 +47,60 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 def save_hf_checkpoint(
     model: PreTrainedModel,
     save_directory: str | Path,
+    architecture: str,
+    adapter: StateDictAdapter,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> None:
     """Write ``model`` as one transformers checkpoint at ``save_directory``, replacing what is there.
 
-    Under a process group of more than one rank every rank must call it, sharded model or not
-    (tensors are gathered collectively and rank 0's outcome is broadcast); rank 0 writes. ``max_shard_size`` is bytes or a size like ``"5GB"``/
-    ``"500MiB"``; a tensor larger than it gets a file of its own. Raises
-    :class:`CheckpointSaveError` on every rank if writing fails; the previous checkpoint at
-    ``save_directory`` then stays in place.
+    ``architecture`` is the transformers class name written to ``config.json``; ``adapter`` turns
+    the model's tensors into transformers' keys. Under a process group of more than one rank every
+    rank must call it, sharded model or not (tensors are gathered collectively and rank 0's outcome
+    is broadcast); rank 0 writes. ``max_shard_size`` is bytes or a size like ``"5GB"``/``"500MiB"``;
+    a tensor larger than it gets a file of its own. Raises :class:`CheckpointSaveError` on every
+    rank if writing fails; the previous checkpoint at ``save_directory`` then stays in place.
     """
     target = Path(save_directory).absolute()
     limit = _parse_size(max_shard_size)
-    architecture = getattr(type(model), "hf_architecture", None)
-    if architecture is None:
-        raise UnsupportedModelError(f"{type(model).__name__} names no hf_architecture to write into {target / 'config.json'}")
     tensors, _ = checkpoint_tensors(model)  # tie targets omitted, as transformers does
-    steps = RankZeroSteps(target, collective=dist.is_initialized() and dist.get_world_size() > 1)
-    to_hf = _hf_keys_converter(model)
-    files = _plan_files(tensors, limit)
-
-    staged = steps.run("creating the staging directory", lambda: stage_directory(target, marker=_CONFIG_FILE))
+    failure = partial(save_failed, target)
+    staged = on_rank_zero("creating the staging directory", lambda: stage_directory(target, marker=_CONFIG_FILE), failure)
     done = False
     try:
-        weight_map: dict[str, str] = {}
-        total_size = 0
-        for filename, names in files.items():
-            shard = {}
-            for name in names:  # same order on every rank: each full_tensor() is a collective
-                full = _gather(tensors[name])
-                if steps.is_writer:
-                    shard.update(to_hf(name, full))
-            weight_map.update(dict.fromkeys(shard, filename))
-            total_size += sum(t.numel() * t.element_size() for t in shard.values())
-            steps.run(f"writing {filename}", lambda: save_file(shard, staged / filename, metadata={"format": "pt"}))
-            del shard
-        steps.run("writing the config and finishing", lambda: _finish(
-            model, architecture, tensors, tokenizer, staged, target,
-            index={"metadata": {"total_size": total_size}, "weight_map": weight_map} if len(files) > 1 else None,
-        ))
+        index = _write_files(tensors, _plan_files(tensors, limit), _hf_keys_converter(adapter), staged, failure)
+        finish = partial(_finish, model, architecture, tensors, tokenizer, staged, target, index)
+        on_rank_zero("writing the config and finishing", finish, failure)
         done = True
     finally:
-        if steps.is_writer and not done:
+        if is_rank_zero() and not done:
             discard(staged)
+
+
+
+def _write_files(
+    tensors: dict[str, torch.Tensor],
+    files: dict[str, list[str]],
+    to_hf: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+    staged: Path,
+    failure: Callable[[str], CheckpointSaveError],
+) -> dict[str, Any] | None:
+    """Gather and write one file's worth of tensors at a time; the index when there are several files."""
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    for filename, names in files.items():
+        shard: dict[str, torch.Tensor] = {}
+        for name in names:  # same order on every rank: each full_tensor() is a collective
+            full = _gather(tensors[name])
+            if is_rank_zero():
+                shard.update(to_hf(name, full))
+        weight_map.update(dict.fromkeys(shard, filename))
+        total_size += sum(t.numel() * t.element_size() for t in shard.values())
+        on_rank_zero(f"writing {filename}", partial(save_file, shard, staged / filename, {"format": "pt"}), failure)
+        del shard
+    if len(files) == 1:
+        return None
+    return {"metadata": {"total_size": total_size}, "weight_map": weight_map}
 
 
 def _parse_size(size: int | str) -> int:
@@ -106,16 +116,12 @@ def _parse_size(size: int | str) -> int:
     )
 
 
-def _hf_keys_converter(model: PreTrainedModel) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One full tensor of ours → the transformers tensors it stands for (through the adapter, if any).
+def _hf_keys_converter(adapter: StateDictAdapter) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One full tensor of the model → the transformers tensors it stands for.
 
     Fused parts are views of one tensor; safetensors refuses tensors that share storage, so parts
     are copied.
     """
-    factory = getattr(type(model), "state_dict_adapter", None)
-    if factory is None:
-        return lambda name, tensor: {name: tensor}
-    adapter = factory(model.config)
 
     def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         parts = adapter.to_hf({name: tensor})
@@ -156,7 +162,7 @@ def _finish(
     tokenizer: PreTrainedTokenizerBase | None,
     staged: Path,
     target: Path,
-    index: dict | None,
+    index: dict[str, Any] | None,
 ) -> None:
     """Index, config, generation config and tokenizer into ``staged``; then swap it in."""
     if index is not None:

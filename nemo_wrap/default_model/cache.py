@@ -1,20 +1,20 @@
 """Where the embedded default lives, and how it gets there exactly once.
 
 Every rank of a job (and every test worker) may ask for the default at the same moment. One
-process builds it under a file lock, into a temporary directory beside the final one, and renames
-that directory into place: a directory that exists under the final name is therefore complete,
-and readers that find it never take the lock. The others wait on the lock and then find it.
+process builds it under a file lock, into a hidden staging directory beside the final one, fsyncs
+it and renames it into place (the checkpoint writer's own atomic swap): a directory that exists
+under the final name is therefore complete, and readers that find it never take the lock. The
+others wait on the lock and then find it.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from filelock import FileLock
 
+from nemo_wrap.checkpoint.atomic import discard, replace_directory, stage_directory
 from nemo_wrap.default_model.recipe import write_default_model
 
 # Bump the suffix whenever the recipe (corpus, tokenizer, config, seed) changes: the name is the
@@ -40,10 +40,10 @@ def default_model_path(root: str | Path | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f"{DEFAULT_MODEL_NAME}.lock")):
         if not target.is_dir():  # another process may have built it while we waited
-            staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=root))
+            staged = stage_directory(target, marker="config.json")
             try:
-                write_default_model(staging)
-                os.rename(staging, target)
+                write_default_model(staged)
+                replace_directory(staged, target)
             finally:
-                shutil.rmtree(staging, ignore_errors=True)
+                discard(staged)  # gone already after a successful swap
     return target

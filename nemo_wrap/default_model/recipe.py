@@ -67,7 +67,7 @@ def _train_tokenizer(corpus: Path):
 
 def write_default_model(directory: Path) -> None:
     """Write the default checkpoint (weights, config, generation config, tokenizer) into ``directory``."""
-    from nemo_wrap.auto_model import NeMoAutoModelForCausalLM
+    from nemo_wrap.auto import NeMoAutoModelForCausalLM
 
     tokenizer = _train_tokenizer(bundled_corpus())
     model = NeMoAutoModelForCausalLM.from_config(_llama_config(), seed=SEED)

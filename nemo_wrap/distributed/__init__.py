@@ -1,4 +1,11 @@
-"""Process groups, device meshes and (in later modules) the sharding managers."""
+"""Process groups, device meshes, strategies and the sharding they apply.
+
+- :mod:`.env`: joining or creating the process group (torchrun or a notebook).
+- :mod:`.collectives`: who is in a multi-rank job; failing on every rank together.
+- :mod:`.strategies`: the registry of strategies (ddp, fsdp2, megatron_fsdp), one module each.
+- :mod:`.setup`: ``DistributedSetup``, the validated description of a job.
+- :mod:`.tensor_parallel`, :mod:`.sharding`: applying a tensor-parallel plan and a strategy.
+"""
 
 from nemo_wrap.distributed.env import DistributedEnv, destroy_distributed, initialize_distributed
 from nemo_wrap.distributed.setup import DistributedSetup, Strategy

@@ -14,14 +14,20 @@ that
   (it gets its source's values afterwards), or carries transformers' ``_is_hf_initialized`` flag,
 - otherwise write the fill through :mod:`tiled_random` / :mod:`deterministic`.
 
-The replacement exists only inside :meth:`InitSession.active`; outside it (and in any other
-thread, which does not see the session) the original functions run. Nothing is patched at import.
+The redirecting wrappers are installed the first time a session becomes active — never at import
+— once per function, under a lock, and then stay: a wrapper asks the ContextVar for this context's
+session and, when there is none (outside a session, or in another thread), calls the function it
+wraps, unchanged. Nothing is swapped back and forth per session, so two threads initializing at
+once can neither see each other's session nor unwind each other's patches. Installation is
+re-checked at each activation because transformers' own ``guard_torch_init_functions`` and
+``no_init_weights`` set torch's functions back to what they saved when they exit.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -82,18 +88,13 @@ class InitSession:
 
     @contextmanager
     def active(self) -> Iterator[InitSession]:
-        """Make this the active session and redirect the init functions, under ``no_grad``."""
+        """Make this the active session of this context (thread, task), under ``no_grad``."""
+        install_redirections()
         token = _ACTIVE.set(self)
-        restore: list[tuple[object, str, object]] = []
         try:
-            for module, name, original, redirected in _redirections():
-                restore.append((module, name, original))
-                setattr(module, name, redirected)
             with torch.no_grad():
                 yield self
         finally:
-            for module, name, original in reversed(restore):
-                setattr(module, name, original)
             _ACTIVE.reset(token)
 
     def qualname_of(self, module: nn.Module) -> str:
@@ -200,6 +201,10 @@ _HANDLERS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
+_REDIRECT_MARK = "_nemo_wrap_redirects"
+_INSTALL_LOCK = threading.Lock()
+
+
 def _redirect(function: str, original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``original`` so that, inside a session, it calls the session's handler instead."""
     handler = _HANDLERS.get(function)
@@ -207,28 +212,35 @@ def _redirect(function: str, original: Callable[..., Any]) -> Callable[..., Any]
     @functools.wraps(original)
     def redirected(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         session = _ACTIVE.get()
-        if session is None:  # another thread (the patch is process-wide, the session is not)
+        if session is None:  # no session in this context: the wrapped function, unchanged
             return original(tensor, *args, **kwargs)
         if handler is None:
             return session._unsupported(function, tensor)
         return handler(session, function, tensor, *args, **kwargs)
 
+    setattr(redirected, _REDIRECT_MARK, True)
     return redirected
 
 
-def _redirections() -> Iterator[tuple[object, str, Callable[..., Any], Callable[..., Any]]]:
-    """(namespace, attribute, current function, replacement) for every init entry point.
+def install_redirections() -> None:
+    """Wrap every init entry point that is not wrapped yet; idempotent and safe across threads."""
+    with _INSTALL_LOCK:
+        for namespace, name in _entry_points():
+            current = getattr(namespace, name)
+            if not getattr(current, _REDIRECT_MARK, False):
+                setattr(namespace, name, _redirect(name, current))
+
+
+def _entry_points() -> Iterator[tuple[object, str]]:
+    """(namespace, attribute) of every init function a model's rule may call.
 
     ``lecun_normal_`` and ``default_flax_embed_init_`` need no entry: they call the module-level
     ``trunc_normal_`` / ``normal_`` of ``transformers.initialization``, which are redirected.
     """
-    names = (*hf_init.TORCH_INIT_FUNCTIONS, "copy_")
-    for name in names:
-        original = getattr(hf_init, name)
-        yield hf_init, name, original, _redirect(name, original)
+    for name in (*hf_init.TORCH_INIT_FUNCTIONS, "copy_"):
+        yield hf_init, name
     for module_name in hf_init.TORCH_MODULES_TO_PATCH:
         module = sys.modules.get(module_name)
         for name in hf_init.TORCH_INIT_FUNCTIONS:
             if module is not None and hasattr(module, name):
-                original = getattr(module, name)
-                yield module, name, original, _redirect(name, original)
+                yield module, name

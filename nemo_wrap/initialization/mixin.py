@@ -21,18 +21,16 @@ replaces parameters and drops attributes such as ``_is_hf_initialized``), tensor
 module of a nested submodel when that submodel's ``__init__`` runs its own ``post_init``, so
 honouring them would keep transformers' unseeded draws.
 
-Being the one base of every model nemo_wrap builds (our fused classes and the ``NeMo<Name>``
-fallbacks alike), the mixin also carries the behaviour that sharding changes for all of them:
-``generate`` kept in lockstep across ranks, and ``save_pretrained`` writing one consolidated
-transformers checkpoint from any strategy.
+The mixin does nothing but initialize: no file I/O, no process-group logic. What a model needs
+beyond that to be saved or generated from when sharded lives in a higher layer
+(:mod:`nemo_wrap.auto`), composed into the classes ``NeMoAutoModelForCausalLM`` returns.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -42,25 +40,20 @@ from nemo_wrap.errors import InvalidInitArgumentError
 from nemo_wrap.initialization.interception import InitSession
 from nemo_wrap.initialization.ties import retie_
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
 
 class NeMoPreTrainedModel:
     """Mixin for a transformers ``PreTrainedModel`` subclass: seeded, sharding-independent init.
 
-    Seed: ``initialize_weights(seed=...)``, else the ``nemo_init_seed`` attribute, else
-    ``torch.initial_seed()`` (so ``torch.manual_seed`` / ``transformers.set_seed`` before building
-    works as with transformers). Every rank must resolve the same seed: an unseeded process draws
-    a random ``initial_seed``, which differs between ranks.
+    Seed: ``initialize_weights(seed=...)``, else ``torch.initial_seed()`` (so ``torch.manual_seed``
+    / ``transformers.set_seed`` before building works as with transformers). Every rank must
+    resolve the same seed: an unseeded process draws a random ``initial_seed``, which differs
+    between ranks.
 
-    Loaded names: ``initialize_weights(loaded_names=...)``, else the ``nemo_loaded_names``
-    attribute (for loaders that call ``initialize_weights()`` through transformers).
+    Loaded names: ``initialize_weights(loaded_names=...)``; transformers' own loader instead flags
+    loaded tensors ``_is_hf_initialized``, which is honoured too.
     """
 
     hf_architecture: ClassVar[str]  # the transformers class name that saved configs name
-    nemo_init_seed: int | None = None
-    nemo_loaded_names: frozenset[str] = frozenset()
 
     def initialize_weights(self, loaded_names: Iterable[str] | None = None, seed: int | None = None) -> None:
         """Initialize every parameter and buffer not loaded, then restore tied weights.
@@ -96,56 +89,20 @@ class NeMoPreTrainedModel:
         with session.active():
             session.apply_rule(super()._init_weights, module, session.qualname_of(module))
 
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """transformers' ``generate``, kept in lockstep across ranks when sharding needs it.
-
-        A model sharded by nemo_wrap across ranks (``nemo_distributed_setup``) runs collectives in
-        every forward (FSDP all-gathers, tensor-parallel reductions, DDP buffer syncs), so a rank
-        that meets its EOS early must keep stepping until every rank is done, or the others hang.
-        transformers turns ``synced_gpus`` on only for its own FSDP; here it defaults to on for
-        ours. An explicit ``synced_gpus=`` argument wins.
-        """
-        setup = getattr(self, "nemo_distributed_setup", None)
-        if setup is not None and setup.world_size > 1:
-            kwargs.setdefault("synced_gpus", True)
-        return super().generate(*args, **kwargs)
-
-    def save_pretrained(
-        self,
-        save_directory: str | Path,
-        max_shard_size: int | str = "50GB",
-        tokenizer: PreTrainedTokenizerBase | None = None,
-    ) -> None:
-        """Write a consolidated transformers checkpoint, from one process or every rank of a sharded job.
-
-        transformers' own method cannot serve here: it names ``type(self)`` (``NeMo…``, ``FSDP…``)
-        as the architecture, would write our fused keys, and on rank 0 alone under a process group
-        can hang the others. See :func:`nemo_wrap.checkpoint.save.save_hf_checkpoint`, which this
-        calls: under a process group of more than one rank, every rank must call it (rank 0
-        writes); the tokenizer is written when given.
-        """
-        # imported here: the checkpoint writer reads the model through nemo_wrap.loading, which
-        # imports this package
-        from nemo_wrap.checkpoint.save import save_hf_checkpoint
-
-        save_hf_checkpoint(self, save_directory, max_shard_size=max_shard_size, tokenizer=tokenizer)
-
     def _nemo_resolve_seed(self, seed: int | None) -> int:
-        chosen = seed if seed is not None else self.nemo_init_seed
-        if chosen is None:
+        if seed is None:
             return torch.initial_seed()
         try:
-            return operator.index(chosen)
+            return operator.index(seed)
         except TypeError:
-            source = "seed" if seed is not None else "nemo_init_seed"
-            raise InvalidInitArgumentError(f"{source} must be an integer, got {chosen!r}") from None
+            raise InvalidInitArgumentError(f"seed must be an integer, got {seed!r}") from None
 
     def _nemo_resolve_loaded(self, loaded_names: Iterable[str] | None) -> frozenset[str]:
-        chosen = self.nemo_loaded_names if loaded_names is None else loaded_names
-        if isinstance(chosen, str):
-            source = "loaded_names" if loaded_names is not None else "nemo_loaded_names"
-            raise InvalidInitArgumentError(f"{source} must be a collection of parameter names, got the string {chosen!r}")
-        return frozenset(chosen)
+        if isinstance(loaded_names, str):
+            raise InvalidInitArgumentError(
+                f"loaded_names must be a collection of parameter names, got the string {loaded_names!r}"
+            )
+        return frozenset(loaded_names or ())
 
 
 def _walk(session: InitSession, module: nn.Module, qualname: str, owner: PreTrainedModel) -> None:

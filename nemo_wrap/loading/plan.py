@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from nemo_wrap.distributed.strategies import strategy_entry
+
 
 class Step(str, Enum):
     BUILD_ON_META = "build on meta (architecture only, no weights, no init)"
@@ -30,12 +32,12 @@ class Step(str, Enum):
     AUDIT = "audit every parameter's provenance"
 
 
-_SHARDS_ON_META = {"ddp": False, "fsdp2": True, "megatron_fsdp": False}
-
-
 @dataclass(frozen=True)
 class LoadPlan:
-    """What will happen, in order, and why. Pure data: printable without a process group."""
+    """What will happen, in order, and why. Pure data: printable without a process group.
+
+    Every sentence it prints is derived from these fields.
+    """
 
     model_class: str
     is_custom: bool
@@ -45,28 +47,53 @@ class LoadPlan:
     tp_size: int
     has_checkpoint: bool
     steps: tuple[Step, ...]
-    read_scope: str
-    initialize_scope: str
-    shard_reason: str
-
-    @property
-    def weights_arrive_with_build(self) -> bool:
-        """Never: the build is on meta. Stated so that no code can assume otherwise."""
-        return False
 
     @property
     def init_device(self) -> str:
-        return "meta"
+        """Where the model is built: the meta device, so no weight can arrive with the build."""
+        return "meta" if self.steps[0] is Step.BUILD_ON_META else "a real device"
+
+    @property
+    def weights_arrive_with_build(self) -> bool:
+        return self.init_device != "meta"
 
     @property
     def checkpoint_reads(self) -> int:
         return self.steps.count(Step.READ_CHECKPOINT)
 
+    @property
+    def shards_before_materializing(self) -> bool:
+        return Step.SHARD in self.steps and self.steps.index(Step.SHARD) < self.steps.index(Step.MATERIALIZE)
+
+    @property
+    def read_scope(self) -> str:
+        if not self.has_checkpoint:
+            return "none given: nothing is read"
+        if self.shards_before_materializing:
+            return "read once, each rank reading only the slices of its own shards"
+        return "read once, every rank reading the full tensors (they are replicated)"
+
+    @property
+    def initialize_scope(self) -> str:
+        if self.has_checkpoint:
+            return "only parameters the checkpoint lacks that are tied or explicitly allowed (strict=False)"
+        return "every parameter and buffer (seeded, identical under any sharding)"
+
+    @property
+    def shard_reason(self) -> str:
+        if self.strategy is None:
+            return "none"
+        if self.shards_before_materializing:
+            return f"{self.strategy} shards the meta model first, so each rank allocates only its own shards"
+        return f"{self.strategy} needs real full weights: shard after they are in place"
+
     def __str__(self) -> str:
         where = "one process" if self.strategy is None else f"{self.strategy} on {self.world_size} rank(s), tp={self.tp_size}"
+        kind = "custom" if self.is_custom else "transformers"
+        arrive = "yes" if self.weights_arrive_with_build else "no"
         lines = [
-            f"load plan: {self.model_class} ({'custom' if self.is_custom else 'transformers'}: {self.source_reason}), {where}",
-            "  weights arrive with the build: no (built on meta)",
+            f"load plan: {self.model_class} ({kind}: {self.source_reason}), {where}",
+            f"  weights arrive with the build: {arrive} (built on {self.init_device})",
         ]
         lines += [f"  {number}. {step.value}" for number, step in enumerate(self.steps, 1)]
         lines.append(f"  checkpoint: {self.read_scope}")
@@ -85,46 +112,15 @@ def make_load_plan(
     tp_size: int,
     has_checkpoint: bool,
 ) -> LoadPlan:
-    """The one place loading is decided. Pure: no I/O, no torch, no process group."""
-    if strategy is None:
-        shard_first, shard_reason = False, "none"
-        middle = [Step.MATERIALIZE]
-        after: list[Step] = []
-    elif _SHARDS_ON_META[strategy]:
-        shard_first = True
-        shard_reason = f"{strategy} shards the meta model first, so each rank allocates only its own shards"
-        middle = [Step.SHARD, Step.MATERIALIZE]
-        after = []
-    else:
-        shard_first = False
-        shard_reason = f"{strategy} needs real full weights: shard after they are in place"
-        middle = [Step.MATERIALIZE]
-        after = [Step.SHARD]
-    steps = [Step.BUILD_ON_META, *middle]
+    """The one place loading is decided. Pure: no I/O, no process group; strategy facts come from
+    the strategy registry (static data)."""
+    shard_first = strategy is not None and strategy_entry(strategy).shards_on_meta
+    steps = [Step.BUILD_ON_META]
+    steps += [Step.SHARD, Step.MATERIALIZE] if shard_first else [Step.MATERIALIZE]
     if has_checkpoint:
         steps.append(Step.READ_CHECKPOINT)
-        read_scope = (
-            "read once, each rank reading only the slices of its own shards"
-            if shard_first
-            else "read once, every rank reading the full tensors (they are replicated)"
-        )
-        initialize_scope = "only parameters the checkpoint lacks that are tied or explicitly allowed (strict=False)"
-    else:
-        read_scope = "none given: nothing is read"
-        initialize_scope = "every parameter and buffer (seeded, identical under any sharding)"
     steps.append(Step.INITIALIZE_REST)
-    steps += after
+    if strategy is not None and not shard_first:
+        steps.append(Step.SHARD)
     steps.append(Step.AUDIT)
-    return LoadPlan(
-        model_class=model_class,
-        is_custom=is_custom,
-        source_reason=source_reason,
-        strategy=strategy,
-        world_size=world_size,
-        tp_size=tp_size,
-        has_checkpoint=has_checkpoint,
-        steps=tuple(steps),
-        read_scope=read_scope,
-        initialize_scope=initialize_scope,
-        shard_reason=shard_reason,
-    )
+    return LoadPlan(model_class, is_custom, source_reason, strategy, world_size, tp_size, has_checkpoint, tuple(steps))

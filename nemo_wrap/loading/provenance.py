@@ -9,7 +9,7 @@ loading raises :class:`MissingWeightsError` when anything is missing.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nemo_wrap.loading.plan import LoadPlan
 
@@ -70,7 +70,6 @@ class LoadReport:
     unexpected_keys: tuple[str, ...] = ()
     bytes_read: int = 0
     verified: bool | None = None  # None: verify=False
-    notes: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         counted = Counter(p.kind for p in self.provenance.values())
@@ -91,7 +90,6 @@ class LoadReport:
             lines.append(f"  unused checkpoint keys: {', '.join(self.unexpected_keys)}")
         if self.verified is not None:
             lines.append(f"  verify: {'checksums of every tensor match the checkpoint' if self.verified else 'MISMATCH'}")
-        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
     def __str__(self) -> str:

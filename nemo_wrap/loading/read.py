@@ -20,40 +20,7 @@ from nemo_wrap.checkpoint.safetensors_file import BlockReader, TensorEntry
 from nemo_wrap.errors import ShapeMismatchError
 from nemo_wrap.initialization.geometry import local_shard, shard_geometry
 from nemo_wrap.loading.provenance import Loaded, Missing, Provenance, Tied
-from nemo_wrap.models.common.state_dict_adapter import HFSource
-
-
-class _IdentityAdapter:
-    """transformers' classes: parameter names are checkpoint keys, rows map one to one."""
-
-    def hf_sources(self, key: str, row_start: int, row_stop: int) -> list[HFSource]:
-        if row_start == row_stop:
-            return []
-        return [HFSource(key, slice(row_start, row_stop), slice(0, row_stop - row_start))]
-
-
-def adapter_for(model: nn.Module):
-    """The model's state-dict adapter (our fused classes), else the identity (transformers')."""
-    factory = getattr(type(model), "state_dict_adapter", None)
-    return factory(model.config) if factory is not None else _IdentityAdapter()
-
-
-def checkpoint_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Distinct tensors to fill (parameters + persistent buffers), and tie target → source name."""
-    distinct: dict[str, torch.Tensor] = {}
-    tied: dict[str, str] = {}
-    first_name: dict[int, str] = {}
-    for name, tensor in model.named_parameters(remove_duplicate=False):
-        if id(tensor) in first_name:
-            tied[name] = first_name[id(tensor)]
-        else:
-            first_name[id(tensor)] = name
-            distinct[name] = tensor
-    for module_name, module in model.named_modules():
-        for buffer_name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and buffer_name not in module._non_persistent_buffers_set:
-                distinct[f"{module_name}.{buffer_name}" if module_name else buffer_name] = buffer
-    return distinct, tied
+from nemo_wrap.state_dict import IdentityAdapter, StateDictAdapter, checkpoint_tensors
 
 
 def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -70,10 +37,11 @@ def read_into_model(
     model: nn.Module,
     checkpoint: Checkpoint,
     reader: BlockReader,
+    adapter: StateDictAdapter,
 ) -> tuple[dict[str, Provenance], set[str]]:
-    """Fill every local shard from ``checkpoint``; return provenance per tensor and the keys used."""
-    adapter = adapter_for(model)
-    transform = "identity" if isinstance(adapter, _IdentityAdapter) else type(adapter).__name__
+    """Fill every local shard from ``checkpoint`` through ``adapter``; return provenance per tensor
+    and the checkpoint keys used."""
+    transform = "identity" if isinstance(adapter, IdentityAdapter) else type(adapter).__name__
     distinct, tied = checkpoint_tensors(model)
     provenance: dict[str, Provenance] = {}
     used: set[str] = set()

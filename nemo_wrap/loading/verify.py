@@ -19,9 +19,11 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
+from nemo_wrap.distributed.collectives import collective_device, is_multi_rank
 from nemo_wrap.errors import LoadVerificationError
 from nemo_wrap.initialization.geometry import ShardGeometry, local_shard, shard_geometry
 from nemo_wrap.loading.provenance import Loaded, Provenance
+from nemo_wrap.state_dict import StateDictAdapter
 
 _PRIME = 2**31 - 1
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -49,7 +51,7 @@ def _owns_distinct_piece(tensor: torch.Tensor) -> bool:
     )
 
 
-def _expected_full(name: str, like: torch.Tensor, adapter, checkpoint: Checkpoint, reader: BlockReader) -> torch.Tensor:
+def _expected_full(name: str, like: torch.Tensor, adapter: StateDictAdapter, checkpoint: Checkpoint, reader: BlockReader) -> torch.Tensor:
     shape = tuple(like.shape)
     full = torch.empty(shape, dtype=like.dtype)
     rows = shape[0] if shape else 1
@@ -66,13 +68,13 @@ def _expected_full(name: str, like: torch.Tensor, adapter, checkpoint: Checkpoin
 def verify_load(
     tensors: dict[str, torch.Tensor],
     provenance: dict[str, Provenance],
-    adapter,
+    adapter: StateDictAdapter,
     checkpoint: Checkpoint,
-    device: torch.device,
 ) -> None:
     """Raise :class:`LoadVerificationError` (on every rank) naming each tensor that differs."""
     names = [name for name in tensors if isinstance(provenance.get(name), Loaded)]
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    distributed = is_multi_rank()
+    device = collective_device()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     expected = torch.zeros(len(names), dtype=torch.int64)
     actual = torch.zeros(len(names), dtype=torch.int64)

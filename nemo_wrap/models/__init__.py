@@ -1,26 +1,11 @@
-"""Our causal LMs with fused projections: ``NeMoLlamaForCausalLM``, ``NeMoQwen2ForCausalLM``,
-``NeMoQwen3ForCausalLM``.
+"""Architectures: one folder per architecture of our own, a spec for each, and the registry.
 
-Each architecture lives in its own subpackage (``model``, ``state_dict_adapter``, ``parallelize``)
-on top of :mod:`nemo_wrap.models.common`. The class names resolve lazily, so importing this package
-(or one architecture) does not import the others.
+- :mod:`.spec`: ``ModelSpec``, everything nemo_wrap needs to know about one architecture.
+- :mod:`.registry`: ``MODEL_ARCH_MAPPING`` (the list of specs), ``register_architecture`` and the
+  resolution of a config to a spec and a class.
+- :mod:`.llama`, :mod:`.qwen2`, :mod:`.qwen3`: our fused implementations (``model.py``) and their
+  ``SPEC`` (``__init__.py``), on top of :mod:`.common`.
+- :mod:`.transformers_classes`: specs that give transformers' own classes a tensor-parallel plan.
+
+Nothing is imported here, so using one architecture does not load the others.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-_LAZY = {
-    "NeMoLlamaForCausalLM": "nemo_wrap.models.llama",
-    "NeMoQwen2ForCausalLM": "nemo_wrap.models.qwen2",
-    "NeMoQwen3ForCausalLM": "nemo_wrap.models.qwen3",
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -2,21 +2,18 @@
 
 It is a real transformers ``PreTrainedModel`` + ``GenerationMixin``, so ``generate()``, gradient
 checkpointing, weight init and tying work as for transformers' own classes. What it adds is the
-checkpoint boundary: parameters are stored fused, checkpoints are written and read in
-transformers' unfused format through the architecture's :class:`StateDictAdapter`, so a saved model
-loads with plain ``AutoModelForCausalLM.from_pretrained`` (``save_pretrained`` comes from
-``NeMoPreTrainedModel``, the mixin every concrete class puts first, and converts through the
-adapter).
+checkpoint boundary: parameters are stored fused, and checkpoints are read and written in
+transformers' unfused format through :class:`FusedStateDictAdapter`, which each architecture's
+spec names (``nemo_wrap/models/<arch>/__init__.py``), so a model saved by nemo_wrap loads with
+plain ``AutoModelForCausalLM.from_pretrained``.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import ClassVar
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel, initialization
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -25,18 +22,16 @@ from transformers.modeling_utils import slice_logits_to_keep
 from nemo_wrap.models.common.decoder import DecoderModel
 from nemo_wrap.models.common.norm import RMSNorm
 from nemo_wrap.models.common.rope import RotaryEmbedding, rope_inverse_frequencies
-from nemo_wrap.models.common.state_dict_adapter import StateDictAdapter
 
 class NeMoCausalLM(PreTrainedModel, GenerationMixin):
     """Decoder-only LM: ``model`` (:class:`DecoderModel`) then ``lm_head``.
 
-    Subclasses set ``config_class``, ``hf_architecture`` (the transformers class name written to
-    ``config.architectures``), ``state_dict_adapter_class``, and build their attention and MLP in
+    Subclasses set ``config_class`` and ``hf_architecture`` (the transformers class name written
+    to ``config.architectures``), and build their attention and MLP in
     :meth:`_build_attention` / :meth:`_build_mlp`.
     """
 
     hf_architecture: ClassVar[str]
-    state_dict_adapter_class: ClassVar[type[StateDictAdapter]]
 
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -107,19 +102,3 @@ class NeMoCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
-
-    # -- checkpoints in transformers' format -------------------------------------------------------
-    @classmethod
-    def tensor_parallel_plan(cls) -> dict[str, ParallelStyle]:
-        """This architecture's plan, from the ``parallelize.py`` beside its ``model.py``.
-
-        Imported on first use because that module imports the model module (torchtitan's layout:
-        ``model.py``, ``parallelize.py`` and ``state_dict_adapter.py`` per architecture).
-        """
-        folder = cls.__module__.rpartition(".")[0]
-        return importlib.import_module(f"{folder}.parallelize").tensor_parallel_plan()
-
-    @classmethod
-    def state_dict_adapter(cls, config: PreTrainedConfig) -> StateDictAdapter:
-        """The adapter between this architecture's keys and transformers' for ``config``."""
-        return cls.state_dict_adapter_class(config)

@@ -1,11 +1,12 @@
-"""The tensor-parallel plan shared by our fused decoders (applied by ``nemo_wrap.distributed.sharding``).
+"""Tensor-parallel plans of the Llama family, for our fused decoders and transformers' classes.
 
-Megatron-style: the fused ``qkv_proj`` and ``gate_up_proj`` are column-parallel (``Shard(0)`` of
-the weight, local outputs), ``o_proj`` and ``down_proj`` row-parallel (``Shard(1)``, all-reduced
-replicated outputs), the embedding vocab-parallel and ``lm_head`` column-parallel with its logits
-gathered, so the loss sees whole, replicated logits. The fused layouts (:mod:`.layouts`) make each
-rank's ``Shard(0)`` chunk a complete set of kv-head groups and gate/up row pairs, and the modules
-read their local head counts from their local output widths, so no module needs to know ``tp``.
+Megatron-style: q/k/v and gate/up column-parallel (``Shard(0)`` of the weight, local outputs),
+``o_proj`` and ``down_proj`` row-parallel (``Shard(1)``, all-reduced replicated outputs), the
+embedding vocab-parallel and ``lm_head`` column-parallel with its logits gathered, so the loss
+sees whole, replicated logits. In our fused classes the layouts (:mod:`.layouts`) make each rank's
+``Shard(0)`` chunk of ``qkv_proj``/``gate_up_proj`` a complete set of kv-head groups and gate/up
+row pairs, and the modules read their local head counts from their local output widths, so no
+module needs to know ``tp``.
 """
 
 from __future__ import annotations
@@ -13,14 +14,37 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+_LAYER = "model.layers.*"
 
-def decoder_tensor_parallel_plan() -> dict[str, ParallelStyle]:
-    """The plan shared by Llama, Qwen2 and Qwen3, for ``parallelize_module(model, tp_mesh, plan)``."""
+# Per-head norms (Qwen3) that act on a rank's local heads: kept whole, gradients summed over tp.
+QK_NORM_MODULES = (f"{_LAYER}.self_attn.q_norm", f"{_LAYER}.self_attn.k_norm")
+
+
+def _ends() -> dict[str, ParallelStyle]:
+    """Vocab-parallel embedding and a column-parallel lm_head with gathered (replicated) logits."""
     return {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "model.layers.*.self_attn.qkv_proj": ColwiseParallel(),
-        "model.layers.*.self_attn.o_proj": RowwiseParallel(),
-        "model.layers.*.mlp.gate_up_proj": ColwiseParallel(),
-        "model.layers.*.mlp.down_proj": RowwiseParallel(),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
+def fused_decoder_plan() -> dict[str, ParallelStyle]:
+    """Our fused Llama, Qwen2 and Qwen3 (``qkv_proj``, ``gate_up_proj``)."""
+    return {
+        **_ends(),
+        f"{_LAYER}.self_attn.qkv_proj": ColwiseParallel(),
+        f"{_LAYER}.self_attn.o_proj": RowwiseParallel(),
+        f"{_LAYER}.mlp.gate_up_proj": ColwiseParallel(),
+        f"{_LAYER}.mlp.down_proj": RowwiseParallel(),
+    }
+
+
+def llama_family_plan() -> dict[str, ParallelStyle]:
+    """transformers' Llama, Mistral, Qwen2 and Qwen3 classes (separate q/k/v and gate/up)."""
+    return {
+        **_ends(),
+        **{f"{_LAYER}.self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")},
+        f"{_LAYER}.self_attn.o_proj": RowwiseParallel(),
+        **{f"{_LAYER}.mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")},
+        f"{_LAYER}.mlp.down_proj": RowwiseParallel(),
     }

@@ -6,7 +6,7 @@ weights and biases alike) and in ``lm_head.weight``, which checkpoints of tied m
 other key is the same name and tensor on both sides.
 
 A rank that owns part of a fused weight should not read whole q/k/v tensors to build it:
-:meth:`StateDictAdapter.hf_sources` says which rows of which checkpoint tensors land where in a
+:meth:`FusedStateDictAdapter.hf_sources` says which rows of which checkpoint tensors land where in a
 row range of ours. Columns are never fused, so a column slice (``o_proj``/``down_proj`` under
 row-parallel sharding) is the same column slice of the checkpoint tensor.
 """
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedConfig
 
 from nemo_wrap.errors import CheckpointKeyError
 from nemo_wrap.models.common.layouts import GateUpLayout, QKVLayout
+from nemo_wrap.state_dict import HFSource
 
 LM_HEAD_KEY = "lm_head.weight"
 EMBEDDING_KEY = "model.embed_tokens.weight"
@@ -33,18 +33,6 @@ _FUSED_MODULES = {
 }
 
 
-class HFSource(NamedTuple):
-    """Rows ``hf_rows`` of checkpoint tensor ``hf_key`` fill rows ``local_rows`` of a requested range.
-
-    ``local_rows`` counts from the start of the range (row ``row_start`` of our tensor is local row
-    0) and may be strided (step 2 for ``gate_up_proj``), so ``buffer[local_rows] = hf[hf_rows]``.
-    """
-
-    hf_key: str
-    hf_rows: slice
-    local_rows: slice
-
-
 @dataclass(frozen=True)
 class _Fusion:
     """One fused key of ours: its layout and the checkpoint keys of its parts, in layout order."""
@@ -53,8 +41,8 @@ class _Fusion:
     hf_keys: tuple[str, ...]
 
 
-class StateDictAdapter:
-    """Maps whole state dicts both ways and row ranges of one key to checkpoint rows.
+class FusedStateDictAdapter:
+    """The adapter of our fused Llama-family decoders (Llama, Qwen2, Qwen3 alike): maps whole state dicts both ways and row ranges of one key to checkpoint rows.
 
     ``to_hf`` and ``from_hf`` are exact inverses on every key: ``from_hf(to_hf(sd))`` has the same
     keys and bitwise-equal tensors as ``sd``. For a config with ``tie_word_embeddings``, ``to_hf``

@@ -1,11 +1,15 @@
-"""Llama with fused projections: model, checkpoint adapter, tensor-parallel plan."""
+"""Llama with fused q/k/v and gate/up projections: the model and its spec."""
 
+from nemo_wrap.models.common.parallelize import fused_decoder_plan
+from nemo_wrap.models.common.state_dict_adapter import FusedStateDictAdapter
 from nemo_wrap.models.llama.model import NeMoLlamaForCausalLM
-from nemo_wrap.models.llama.parallelize import tensor_parallel_plan
-from nemo_wrap.models.llama.state_dict_adapter import LlamaStateDictAdapter
+from nemo_wrap.models.spec import ModelSpec
 
-__all__ = [
-    "LlamaStateDictAdapter",
-    "NeMoLlamaForCausalLM",
-    "tensor_parallel_plan",
-]
+SPEC = ModelSpec(
+    architectures=("LlamaForCausalLM",),
+    model_class=NeMoLlamaForCausalLM,
+    state_dict_adapter=FusedStateDictAdapter,
+    tensor_parallel_plan=fused_decoder_plan,
+)
+
+__all__ = ["SPEC", "NeMoLlamaForCausalLM"]

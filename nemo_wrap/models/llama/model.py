@@ -8,7 +8,6 @@ from nemo_wrap.initialization import NeMoPreTrainedModel
 from nemo_wrap.models.common.attention import FusedAttention
 from nemo_wrap.models.common.causal_lm import NeMoCausalLM
 from nemo_wrap.models.common.mlp import GatedMLP
-from nemo_wrap.models.llama.state_dict_adapter import LlamaStateDictAdapter
 
 
 # ``NeMoPreTrainedModel`` first: its seeded, sharding-independent weight init overrides transformers'.
@@ -17,7 +16,6 @@ class NeMoLlamaForCausalLM(NeMoPreTrainedModel, NeMoCausalLM):
 
     config_class = LlamaConfig
     hf_architecture = "LlamaForCausalLM"
-    state_dict_adapter_class = LlamaStateDictAdapter
 
     @classmethod
     def _build_attention(cls, config: LlamaConfig, layer_idx: int) -> FusedAttention:

@@ -1,11 +1,15 @@
-"""Qwen2 with fused projections: model, checkpoint adapter, tensor-parallel plan."""
+"""Qwen2 with fused q/k/v (biased) and gate/up projections: the model and its spec."""
 
+from nemo_wrap.models.common.parallelize import fused_decoder_plan
+from nemo_wrap.models.common.state_dict_adapter import FusedStateDictAdapter
 from nemo_wrap.models.qwen2.model import NeMoQwen2ForCausalLM
-from nemo_wrap.models.qwen2.parallelize import tensor_parallel_plan
-from nemo_wrap.models.qwen2.state_dict_adapter import Qwen2StateDictAdapter
+from nemo_wrap.models.spec import ModelSpec
 
-__all__ = [
-    "NeMoQwen2ForCausalLM",
-    "Qwen2StateDictAdapter",
-    "tensor_parallel_plan",
-]
+SPEC = ModelSpec(
+    architectures=("Qwen2ForCausalLM",),
+    model_class=NeMoQwen2ForCausalLM,
+    state_dict_adapter=FusedStateDictAdapter,
+    tensor_parallel_plan=fused_decoder_plan,
+)
+
+__all__ = ["SPEC", "NeMoQwen2ForCausalLM"]

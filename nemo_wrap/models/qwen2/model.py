@@ -8,7 +8,6 @@ from nemo_wrap.initialization import NeMoPreTrainedModel
 from nemo_wrap.models.common.attention import FusedAttention
 from nemo_wrap.models.common.causal_lm import NeMoCausalLM
 from nemo_wrap.models.common.mlp import GatedMLP
-from nemo_wrap.models.qwen2.state_dict_adapter import Qwen2StateDictAdapter
 
 
 # ``NeMoPreTrainedModel`` first: its seeded, sharding-independent weight init overrides transformers'.
@@ -17,7 +16,6 @@ class NeMoQwen2ForCausalLM(NeMoPreTrainedModel, NeMoCausalLM):
 
     config_class = Qwen2Config
     hf_architecture = "Qwen2ForCausalLM"
-    state_dict_adapter_class = Qwen2StateDictAdapter
 
     @classmethod
     def _build_attention(cls, config: Qwen2Config, layer_idx: int) -> FusedAttention:

@@ -1,11 +1,20 @@
-"""Qwen3 with fused projections: model, checkpoint adapter, tensor-parallel plan."""
+"""Qwen3 with fused projections and per-head q/k norms: the model and its spec.
 
+Under tensor parallel the q/k norms see only a rank's heads, so the spec has their gradients
+summed over the tp ranks.
+"""
+
+from nemo_wrap.models.common.parallelize import QK_NORM_MODULES, fused_decoder_plan
+from nemo_wrap.models.common.state_dict_adapter import FusedStateDictAdapter
 from nemo_wrap.models.qwen3.model import NeMoQwen3ForCausalLM
-from nemo_wrap.models.qwen3.parallelize import tensor_parallel_plan
-from nemo_wrap.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from nemo_wrap.models.spec import ModelSpec
 
-__all__ = [
-    "NeMoQwen3ForCausalLM",
-    "Qwen3StateDictAdapter",
-    "tensor_parallel_plan",
-]
+SPEC = ModelSpec(
+    architectures=("Qwen3ForCausalLM",),
+    model_class=NeMoQwen3ForCausalLM,
+    state_dict_adapter=FusedStateDictAdapter,
+    tensor_parallel_plan=fused_decoder_plan,
+    gradient_sum_modules=QK_NORM_MODULES,
+)
+
+__all__ = ["SPEC", "NeMoQwen3ForCausalLM"]

@@ -10,7 +10,6 @@ from nemo_wrap.models.common.attention import FusedAttention
 from nemo_wrap.models.common.causal_lm import NeMoCausalLM
 from nemo_wrap.models.common.mlp import GatedMLP
 from nemo_wrap.models.common.norm import RMSNorm
-from nemo_wrap.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
 
 class QKNormAttention(FusedAttention):
@@ -36,7 +35,6 @@ class NeMoQwen3ForCausalLM(NeMoPreTrainedModel, NeMoCausalLM):
 
     config_class = Qwen3Config
     hf_architecture = "Qwen3ForCausalLM"
-    state_dict_adapter_class = Qwen3StateDictAdapter
 
     @classmethod
     def _build_attention(cls, config: Qwen3Config, layer_idx: int) -> QKNormAttention:

@@ -1,0 +1,149 @@
+"""``NeMoAutoModelForCausalLM``: the user-facing entry point, one audited pipeline.
+
+``from_pretrained`` reads top-down: open the checkpoint and its config → resolve the architecture
+(spec and class) → compute the plan → execute it (:class:`LoadPipeline`) → return the model.
+``from_config`` is the same pipeline with no checkpoint; ``plan`` stops after the plan.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+from nemo_wrap.auto.classes import loadable_class
+from nemo_wrap.auto.pipeline import LoadPipeline
+from nemo_wrap.checkpoint.locate import Checkpoint, open_checkpoint, resolve_checkpoint_directory
+from nemo_wrap.distributed.collectives import on_every_rank
+from nemo_wrap.distributed.setup import DistributedSetup
+from nemo_wrap.errors import CheckpointNotFoundError, InvalidSetupError, UnsupportedModelError
+from nemo_wrap.loading.plan import LoadPlan, make_load_plan
+from nemo_wrap.models.registry import ModelSource, resolve_model_source
+
+
+class NeMoAutoModelForCausalLM:
+    """Builds causal LMs whose every parameter provably holds the checkpoint, under any strategy."""
+
+    def __init__(self) -> None:
+        raise TypeError("NeMoAutoModelForCausalLM is a factory: use from_pretrained(...) or from_config(...)")
+
+    @classmethod
+    def plan(
+        cls,
+        path_or_config: str | Path | PretrainedConfig,
+        distributed_setup: DistributedSetup | None = None,
+        force_hf: bool = False,
+    ) -> LoadPlan:
+        """The load plan for a checkpoint directory (or a config: no checkpoint), reading no weights."""
+        if isinstance(path_or_config, PretrainedConfig):
+            config, has_checkpoint = path_or_config, False
+        else:
+            config, has_checkpoint = _load_config(resolve_checkpoint_directory(path_or_config), {}), True
+        return _make_plan(resolve_model_source(config, force_hf), distributed_setup, has_checkpoint)
+
+    @classmethod
+    def model_class(cls, config: PretrainedConfig, force_hf: bool = False) -> type[PreTrainedModel]:
+        """The class ``from_pretrained``/``from_config`` build for ``config`` (nothing is built)."""
+        return loadable_class(resolve_model_source(config, force_hf))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        distributed_setup: DistributedSetup | None = None,
+        dtype: torch.dtype | str | None = None,
+        strict: bool = True,
+        verify: bool = False,
+        force_hf: bool = False,
+        allow_pickle: bool = False,
+        seed: int | None = None,
+        **config_overrides: Any,
+    ) -> PreTrainedModel:
+        """Load ``path`` (a checkpoint directory or hub id) sharded as ``distributed_setup`` says.
+
+        ``dtype=None``/``"auto"`` keeps the checkpoint's dtype. ``strict`` (default) raises
+        :class:`MissingWeightsError` / :class:`UnexpectedKeysError` on every rank instead of
+        initializing what the checkpoint lacks. ``verify`` re-reads the checkpoint and compares
+        per-tensor checksums with what every rank holds. ``seed`` seeds whatever is initialized.
+        The result carries ``model.load_report``.
+        """
+        config, checkpoint = on_every_rank("opening the checkpoint", lambda: _open(path, allow_pickle, config_overrides))
+        source = resolve_model_source(config, force_hf=force_hf)
+        plan = _make_plan(source, distributed_setup, has_checkpoint=True)
+        dtype = _resolve_dtype(dtype, config, checkpoint)
+        return LoadPipeline(plan, source, config, dtype, distributed_setup, seed, checkpoint, strict, verify).run()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: PretrainedConfig,
+        distributed_setup: DistributedSetup | None = None,
+        seed: int | None = None,
+        dtype: torch.dtype | str | None = None,
+        force_hf: bool = False,
+    ) -> PreTrainedModel:
+        """A freshly initialized model, sharded as ``distributed_setup`` says (one process if ``None``).
+
+        ``seed`` fixes the init (default: rank 0's ``torch.initial_seed()``, shared with all ranks);
+        the full weights are the same for every strategy and world size. ``dtype=None`` (or
+        ``"auto"``) means the config's dtype, float32 when it names none.
+        """
+        source = resolve_model_source(config, force_hf=force_hf)
+        plan = _make_plan(source, distributed_setup, has_checkpoint=False)
+        return LoadPipeline(plan, source, config, _resolve_dtype(dtype, config, None), distributed_setup, seed).run()
+
+
+def _make_plan(source: ModelSource, setup: DistributedSetup | None, has_checkpoint: bool) -> LoadPlan:
+    return make_load_plan(
+        model_class=source.model_class.__name__,
+        is_custom=source.is_custom,
+        source_reason=source.reason,
+        strategy=None if setup is None else setup.strategy,
+        world_size=1 if setup is None else setup.world_size,
+        tp_size=1 if setup is None else setup.tp_size,
+        has_checkpoint=has_checkpoint,
+    )
+
+
+def _open(path: str | Path, allow_pickle: bool, overrides: dict[str, Any]) -> tuple[PretrainedConfig, Checkpoint]:
+    directory = resolve_checkpoint_directory(path, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+    return _load_config(directory, overrides), open_checkpoint(directory, allow_pickle=allow_pickle)
+
+
+def _load_config(directory: Path, overrides: dict[str, Any]) -> PretrainedConfig:
+    if not (directory / "config.json").is_file():
+        raise CheckpointNotFoundError(f"{directory}: no config.json")
+    try:
+        return AutoConfig.from_pretrained(directory, trust_remote_code=False, **overrides)
+    except ValueError as error:
+        raise UnsupportedModelError(f"{directory / 'config.json'}: {error}") from error
+
+
+def _resolve_dtype(
+    dtype: torch.dtype | str | None, config: PretrainedConfig, checkpoint: Checkpoint | None
+) -> torch.dtype:
+    """``None``/``"auto"``: the checkpoint's floating dtype (else the config's, else float32)."""
+    if dtype is None or dtype == "auto":
+        floating = _checkpoint_floating_dtypes(checkpoint)
+        if floating:
+            return max(set(floating), key=floating.count)
+        dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise InvalidSetupError(f"dtype={dtype!r} is not a torch dtype name")
+        dtype = resolved
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidSetupError(f"dtype must be a torch.dtype, a dtype name, 'auto' or None; got {dtype!r}")
+    return dtype
+
+
+def _checkpoint_floating_dtypes(checkpoint: Checkpoint | None) -> list[torch.dtype]:
+    if checkpoint is None:
+        return []
+    floating = [e.dtype for e in checkpoint.entries.values() if e.dtype.is_floating_point]
+    floating += [t.dtype for t in (checkpoint.pickle_tensors or {}).values() if t.is_floating_point()]
+    return floating

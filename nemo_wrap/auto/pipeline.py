@@ -1,0 +1,180 @@
+"""Executing a load plan: build on meta → shard → materialize → read → initialize the rest → audit.
+
+:class:`LoadPipeline` runs the plan's steps in the plan's order — the order is decided once, by
+:func:`nemo_wrap.loading.plan.make_load_plan`, never re-decided here from the model's state — and
+holds what the steps hand to each other. Each step is one short method.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import PretrainedConfig, PreTrainedModel
+
+from nemo_wrap.auto.classes import loadable_class
+from nemo_wrap.checkpoint.locate import Checkpoint
+from nemo_wrap.checkpoint.safetensors_file import BlockReader
+from nemo_wrap.distributed.collectives import collective_device, is_rank_zero, on_every_rank
+from nemo_wrap.distributed.setup import DistributedSetup
+from nemo_wrap.distributed.sharding import shard_model
+from nemo_wrap.distributed.tensor_parallel import check_tensor_parallel_supported
+from nemo_wrap.errors import MissingWeightsError, UnexpectedKeysError
+from nemo_wrap.loading.plan import LoadPlan, Step
+from nemo_wrap.loading.provenance import Initialized, LoadReport, Provenance, Tied
+from nemo_wrap.loading.read import matches_any, read_into_model
+from nemo_wrap.loading.verify import verify_load
+from nemo_wrap.models.registry import ModelSource
+from nemo_wrap.state_dict import checkpoint_tensors
+
+logger = logging.getLogger("nemo_wrap")
+
+
+@dataclass
+class LoadPipeline:
+    """Executes a plan's steps in order; holds what the steps hand to each other."""
+
+    plan: LoadPlan
+    source: ModelSource
+    config: PretrainedConfig
+    dtype: torch.dtype
+    setup: DistributedSetup | None
+    seed: int | None
+    checkpoint: Checkpoint | None = None
+    strict: bool = True
+    verify: bool = False
+    model: Any = None
+    provenance: dict[str, Provenance] = field(default_factory=dict)
+    used_keys: set[str] = field(default_factory=set)
+    bytes_read: int = 0
+
+    def run(self) -> PreTrainedModel:
+        self.check_preconditions()
+        steps: dict[Step, Callable[[], None]] = {
+            Step.BUILD_ON_META: self.build_on_meta,
+            Step.SHARD: self.shard,
+            Step.MATERIALIZE: self.materialize,
+            Step.READ_CHECKPOINT: self.read_checkpoint,
+            Step.INITIALIZE_REST: self.initialize_rest,
+            Step.AUDIT: self.audit,
+        }
+        for step in self.plan.steps:
+            steps[step]()
+        return self.model
+
+    def check_preconditions(self) -> None:
+        """Local checks every rank makes alike, before any allocation or collective."""
+        if self.setup is None:
+            return
+        self.setup.entry.check_available()
+        plan = self.source.spec.parallel_plan()
+        check_tensor_parallel_supported(plan, self.config, self.setup.tp_size, self.source.model_class.__name__)
+
+    def build_on_meta(self) -> None:
+        self.model = build_on_meta(loadable_class(self.source), self.config, self.dtype)
+
+    def shard(self) -> None:
+        assert self.setup is not None  # the plan has a shard step only with a setup
+        self.model = shard_model(self.model, self.setup, self.source.spec.parallel_plan())
+
+    def materialize(self) -> None:
+        materialize(self.model, collective_device())
+
+    def read_checkpoint(self) -> None:
+        assert self.checkpoint is not None  # the plan reads only when there is a checkpoint
+        checkpoint, adapter = self.checkpoint, self.source.spec.adapter(self.config)
+
+        def read() -> tuple[dict[str, Provenance], set[str], int]:
+            with BlockReader() as reader:
+                provenance, used = read_into_model(self.model, checkpoint, reader, adapter)
+                return provenance, used, sum(reader.bytes_read.values())
+
+        self.provenance, self.used_keys, self.bytes_read = on_every_rank("reading the checkpoint", read)
+
+    def initialize_rest(self) -> None:
+        loaded = {name for name, p in self.provenance.items() if p.kind in ("checkpoint", "tied")}
+        self.model.initialize_weights(loaded_names=loaded, seed=agree_on_seed(self.seed, self.setup))
+        rule = f"{type(self.model).__mro__[0].__name__}._init_weights (seeded, shard-aware)"
+        allowed_missing = getattr(self.model, "_keys_to_ignore_on_load_missing", None)
+        distinct, tied = checkpoint_tensors(self.model)
+        for target, source in tied.items():
+            self.provenance.setdefault(target, Tied(source))
+        for name in distinct:
+            current = self.provenance.get(name)
+            if current is None:
+                self.provenance[name] = Initialized(rule, "no checkpoint given")
+            elif current.kind == "missing" and not self.strict:
+                self.provenance[name] = Initialized(rule, "absent from the checkpoint, allowed by strict=False")
+            elif current.kind == "missing" and matches_any(name, allowed_missing):
+                why = "absent from the checkpoint, allowed by the class's _keys_to_ignore_on_load_missing"
+                self.provenance[name] = Initialized(rule, why)
+
+    def audit(self) -> None:
+        report = LoadReport(self.plan, self.provenance, self._unexpected_keys(), self.bytes_read)
+        self.model.load_report = report
+        if self.verify and self.checkpoint is not None:
+            distinct, _ = checkpoint_tensors(self.model)
+            verify_load(distinct, self.provenance, self.source.spec.adapter(self.config), self.checkpoint)
+            report.verified = True
+        self._raise_if_incomplete(report)
+        if is_rank_zero():
+            logger.info("%s", report.summary())
+
+    def _unexpected_keys(self) -> tuple[str, ...]:
+        if self.checkpoint is None:
+            return ()
+        available = set(self.checkpoint.entries) | set(self.checkpoint.pickle_tensors or {})
+        ignored = getattr(self.model, "_keys_to_ignore_on_load_unexpected", None)
+        return tuple(sorted(k for k in available - self.used_keys if not matches_any(k, ignored)))
+
+    def _raise_if_incomplete(self, report: LoadReport) -> None:
+        where = self.checkpoint.directory if self.checkpoint is not None else "from_config"
+        missing = report.names("missing")
+        if missing:
+            raise MissingWeightsError(
+                f"{where}: {len(missing)} parameter(s) are neither in the checkpoint nor "
+                f"tied or allowed to be initialized (pass strict=False to initialize them): {', '.join(missing)}"
+            )
+        if report.unexpected_keys and self.strict:
+            raise UnexpectedKeysError(
+                f"{where}: {len(report.unexpected_keys)} checkpoint tensor(s) fill no parameter of "
+                f"{self.plan.model_class} (pass strict=False to ignore them): {', '.join(report.unexpected_keys)}"
+            )
+
+
+def build_on_meta(model_class: type[PreTrainedModel], config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
+    """Architecture only: no memory, no init (transformers skips init on the meta device)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = model_class(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.config.dtype = dtype
+    return model
+
+
+def materialize(model: PreTrainedModel, device: torch.device) -> None:
+    """Allocate (uninitialized) storage for every shard, then restore ties that ``to_empty`` broke."""
+    model.to_empty(device=device)
+    model.tie_weights()
+
+
+def agree_on_seed(seed: int | None, setup: DistributedSetup | None) -> int:
+    """An explicit seed, else rank 0's ``torch.initial_seed()`` shared with every rank.
+
+    Unseeded processes draw different initial seeds; shards initialized from different seeds would
+    not form one coherent tensor, and DDP replicas would diverge, so the default is agreed on.
+    """
+    if seed is not None:
+        return seed
+    if setup is None or not dist.is_initialized():
+        return torch.initial_seed()
+    agreed = [torch.initial_seed()]
+    dist.broadcast_object_list(agreed, src=0)
+    return agreed[0]

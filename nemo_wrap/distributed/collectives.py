@@ -1,0 +1,78 @@
+"""Making every rank act together: who is in a multi-rank job, and failing on all ranks at once.
+
+A step that raises on one rank while the others go on to the next collective leaves them waiting
+forever. Each helper here runs a step and then exchanges its outcome, so all ranks return or all
+raise — the failing rank with its own error, the others with an error that points to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from nemo_wrap.errors import NeMoWrapError, RemoteRankError
+
+T = TypeVar("T")
+
+
+def is_multi_rank() -> bool:
+    """Whether a process group of more than one rank exists (collectives have partners)."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def is_rank_zero() -> bool:
+    """Rank 0 of a multi-rank job, or the only process."""
+    return not is_multi_rank() or dist.get_rank() == 0
+
+
+def collective_device() -> torch.device:
+    """Where small tensors for collectives live: the current CUDA device under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def on_every_rank(what: str, action: Callable[[], T]) -> T:
+    """Run ``action`` on every rank; if it fails anywhere, fail everywhere.
+
+    A failing rank re-raises its own error; the others raise :class:`RemoteRankError`. Costs one
+    small all-reduce, and only when more than one rank exists.
+    """
+    error: Exception | None = None
+    result = None
+    try:
+        result = action()
+    except Exception as caught:  # noqa: BLE001 - re-raised below, unchanged
+        error = caught
+    if is_multi_rank():
+        failed = torch.tensor([0 if error is None else 1], device=collective_device())
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item() and error is None:
+            raise RemoteRankError(f"another rank failed while {what}; its error is in that rank's output")
+    if error is not None:
+        raise error
+    return result  # type: ignore[return-value]
+
+
+def on_rank_zero(what: str, action: Callable[[], T], failure: Callable[[str], NeMoWrapError]) -> T:
+    """Run ``action`` on rank 0 alone and return its (small, picklable) result on every rank.
+
+    If it raises, every rank raises ``failure(description)``, where the description names the step
+    and rank 0's error; on rank 0 it is chained to the original error.
+    """
+    error: Exception | None = None
+    outcome: list[object] = [None, None]  # [error text or None, result]
+    if is_rank_zero():
+        try:
+            outcome[1] = action()
+        except Exception as caught:  # noqa: BLE001 - reported on every rank below
+            error = caught
+            outcome[0] = f"{type(caught).__name__}: {caught}"
+    if is_multi_rank():
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise failure(f"{what} failed on rank 0: {outcome[0]}") from error
+    return outcome[1]  # type: ignore[return-value]

@@ -1,0 +1,33 @@
+"""Sharding a model as a :class:`DistributedSetup` says: tensor parallel first, then the strategy.
+
+The DDP and FSDP2 strategies shard *in place* and return the same object, so the model stays an
+instance of the class it was built as (``PreTrainedModel``, ``NeMoPreTrainedModel``), with
+``config``, ``generate`` and ``save_pretrained``: torch's composable ``replicate`` and
+``fully_shard`` swap in a generated subclass rather than wrapping. Megatron-FSDP is the documented
+exception: it returns its own wrapper, with the model as ``.module``.
+
+Whether this runs on the meta model (before materialization) or on real weights is the load
+plan's decision (:mod:`nemo_wrap.loading.plan`), read from the strategy's registry entry.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from nemo_wrap.distributed.setup import DistributedSetup
+from nemo_wrap.distributed.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
+
+
+def shard_model(model: nn.Module, setup: DistributedSetup, tp_plan: TensorParallelPlan | None) -> nn.Module:
+    """Apply ``setup`` to ``model`` and return it (or the strategy's wrapper around it).
+
+    The setup is recorded on the model as ``nemo_distributed_setup``: the training step reads its
+    data-parallel group from there, and ``generate`` knows that its forward holds collectives.
+    """
+    entry = setup.entry
+    entry.check_available()
+    mesh = setup.device_mesh()
+    if setup.uses_tensor_parallel:
+        apply_tensor_parallel(model, mesh["tp"], tp_plan)
+    model.nemo_distributed_setup = setup
+    return entry.apply(model, mesh, setup.options)

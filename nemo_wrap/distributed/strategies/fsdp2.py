@@ -1,0 +1,70 @@
+"""FSDP2: ``fully_shard`` each decoder layer, then the root (embeddings, final norm, lm_head).
+
+Per-layer groups bound the all-gathered working set to one layer; the root group owns the
+embedding and the lm_head together, so a tied embedding ↔ lm_head stays one sharded parameter.
+It works on meta-device models, so each rank allocates only its own shards, and it composes with
+tensor parallel: on a ``(dp, tp)`` mesh it shards the tensor-parallel DTensors over ``dp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from nemo_wrap.distributed.modules import decoder_layers
+from nemo_wrap.distributed.strategies.registry import StrategyEntry, register_strategy
+from nemo_wrap.errors import InvalidSetupError
+
+
+@dataclass(frozen=True)
+class FSDP2Options:
+    """Options handed to ``torch.distributed.fsdp.fully_shard``.
+
+    ``param_dtype``/``reduce_dtype`` form its ``MixedPrecisionPolicy`` (``None`` keeps the
+    parameters' dtype); ``reshard_after_forward=False`` trades memory for one all-gather less.
+    """
+
+    reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reshard_after_forward, bool):
+            raise InvalidSetupError(f"reshard_after_forward must be a bool, got {self.reshard_after_forward!r}")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.dtype):
+                raise InvalidSetupError(f"{name} must be a torch.dtype or None, got {value!r}")
+
+
+def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, options: FSDP2Options) -> nn.Module:
+    """Shard parameters over the mesh's ``dp`` axis; a size-1 axis (pure tensor parallel) is left alone."""
+    dp_mesh = mesh["dp"]
+    if dp_mesh.size() == 1:
+        return model
+    mixed_precision = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mixed_precision, reshard_after_forward=options.reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mixed_precision, reshard_after_forward=options.reshard_after_forward)
+    return model
+
+
+def _always_available() -> None:
+    """FSDP2 runs on gloo (CPU) and NCCL alike."""
+
+
+FSDP2 = register_strategy(
+    StrategyEntry(
+        name="fsdp2",
+        options_class=FSDP2Options,
+        shards_on_meta=True,
+        shards_parameters=True,
+        supports_tensor_parallel=True,
+        apply=apply_fsdp2,
+        check_available=_always_available,
+    )
+)

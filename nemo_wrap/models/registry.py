@@ -1,0 +1,81 @@
+"""Which spec, and which class, implements a config: ours when registered, else transformers'.
+
+``MODEL_ARCH_MAPPING`` is the list of :class:`ModelSpec`; :func:`register_architecture` puts a
+spec in front of it, so a later registration wins. Our own implementations (Llama, Qwen2, Qwen3)
+serve their architectures unless ``force_hf``; every other causal LM known to transformers falls
+back to its transformers class wrapped with the init mixin, with the tensor-parallel plan of a
+spec that names that class (:mod:`.transformers_classes`), if any.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from nemo_wrap.errors import UnsupportedModelError
+from nemo_wrap.initialization import nemo_model_class
+from nemo_wrap.models import llama, qwen2, qwen3
+from nemo_wrap.models.spec import ModelSpec
+from nemo_wrap.models.transformers_classes import TRANSFORMERS_SPECS
+
+MODEL_ARCH_MAPPING: list[ModelSpec] = [llama.SPEC, qwen2.SPEC, qwen3.SPEC, *TRANSFORMERS_SPECS]
+
+
+def register_architecture(spec: ModelSpec) -> None:
+    """Serve ``spec.architectures`` with ``spec`` from now on (ahead of any earlier spec)."""
+    if not isinstance(spec, ModelSpec):
+        raise UnsupportedModelError(f"register_architecture expects a ModelSpec, got {spec!r}")
+    MODEL_ARCH_MAPPING.insert(0, spec)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The spec and class chosen for a config, and why (printed in the load plan).
+
+    ``model_class`` carries the init mixin; it is the spec's own class, or the ``NeMo<Name>``
+    wrapper of transformers' class.
+    """
+
+    spec: ModelSpec
+    model_class: type[PreTrainedModel]
+    reason: str
+
+    @property
+    def is_custom(self) -> bool:
+        return self.spec.is_custom
+
+
+def _find_spec(architecture: str | None, custom: bool) -> ModelSpec | None:
+    for spec in MODEL_ARCH_MAPPING:
+        if spec.is_custom == custom and architecture in spec.architectures:
+            return spec
+    return None
+
+
+def _transformers_causal_lm_class(config: PretrainedConfig) -> type[PreTrainedModel]:
+    mapping = AutoModelForCausalLM._model_mapping
+    if type(config) not in mapping:
+        raise UnsupportedModelError(
+            f"config of type {type(config).__name__} (model_type={getattr(config, 'model_type', None)!r}) "
+            "is not a causal LM known to transformers' AutoModelForCausalLM"
+        )
+    return mapping[type(config)]
+
+
+def resolve_model_source(config: PretrainedConfig, force_hf: bool = False) -> ModelSource:
+    """Pick the implementation for ``config``: ours when registered (and not ``force_hf``), else HF's."""
+    architectures = getattr(config, "architectures", None) or []
+    architecture = architectures[0] if architectures else None
+    custom = None if force_hf else _find_spec(architecture, custom=True)
+    if custom is not None and custom.model_class is not None:
+        return ModelSource(custom, custom.model_class, f"{architecture} has a registered implementation")
+    hf_class = _transformers_causal_lm_class(config)
+    spec = _find_spec(hf_class.__name__, custom=False) or ModelSpec(architectures=(hf_class.__name__,))
+    if force_hf:
+        reason = "force_hf=True"
+    elif architecture is None:
+        reason = "the config names no architecture: transformers' class for its model_type"
+    else:
+        reason = f"{architecture} has no custom implementation"
+    return ModelSource(spec, nemo_model_class(hf_class), reason)
