@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up the project venv (idempotent) and run the main job or the test suite.
 #   bash scripts/dev.sh run [nemo-wrap arguments]   # the main job (default: the embedded demo)
-#   bash scripts/dev.sh test [pytest arguments]     # the whole test suite
+#   bash scripts/dev.sh test [pytest arguments]     # the static checks, then the whole test suite
+#   bash scripts/dev.sh lint                        # the static checks alone
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,10 +28,19 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$digest" ]; then
     echo "$digest" > "$stamp"
 fi
 
+# Lint, format, types and the layer contract (setup.cfg [importlinter]) over the package.
+lint() {
+    "$VENV/bin/ruff" check nemo_wrap
+    "$VENV/bin/ruff" format --check nemo_wrap
+    "$VENV/bin/mypy" nemo_wrap
+    "$VENV/bin/lint-imports"
+}
+
 command="${1:-run}"
 shift || true
 case "$command" in
     run)  exec "$VENV/bin/nemo-wrap" "$@" ;;
-    test) exec "$VENV/bin/python" -m pytest "$@" ;;
-    *)    echo "usage: bash scripts/dev.sh {run|test} [args...]" >&2; exit 2 ;;
+    lint) lint ;;
+    test) lint && exec "$VENV/bin/python" -m pytest "$@" ;;
+    *)    echo "usage: bash scripts/dev.sh {run|test|lint} [args...]" >&2; exit 2 ;;
 esac
