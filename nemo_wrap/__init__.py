@@ -56,6 +56,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "MODEL_ARCH_MAPPING",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "DistributedEnv",
@@ -65,7 +66,6 @@ __all__ = [
     "LoadPlan",
     "LoadReport",
     "LoadVerificationError",
-    "MODEL_ARCH_MAPPING",
     "MissingWeightsError",
     "ModelSpec",
     "NeMoAutoModelForCausalLM",

@@ -17,10 +17,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from nemo_wrap.distributed import DistributedSetup, destroy_distributed, initialize_distributed
 from nemo_wrap.errors import InvalidSetupError, NeMoWrapError, TokenizerNotFoundError
 from nemo_wrap.validation import require_positive_int
+
+if TYPE_CHECKING:
+    from nemo_wrap.loading.provenance import LoadReport
 
 _COMMANDS = ("finetune", "plan", "report")
 DEFAULT_OUTPUT_DIR = "nemo_wrap_output"
@@ -52,13 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
     for name in _COMMANDS:
         # no abbreviations: --nproc must be spelled out to be removed before re-launching
         sub = commands.add_parser(name, help=helps[name], description=helps[name], allow_abbrev=False)
-        sub.add_argument("model", nargs="?", default=None,
-                         help="checkpoint directory (default: the embedded default, built on first use)")
+        sub.add_argument(
+            "model",
+            nargs="?",
+            default=None,
+            help="checkpoint directory (default: the embedded default, built on first use)",
+        )
         sub.add_argument("--strategy", default="fsdp2", help="ddp | fsdp2 | megatron_fsdp (default fsdp2)")
         sub.add_argument("--tp-size", type=_positive_int, default=1, help="tensor-parallel degree (default 1)")
-        sub.add_argument("--nproc", type=_positive_int, default=None,
-                         help="number of ranks: plan describes that world; finetune and report re-launch "
-                              "themselves on that many local ranks through torchrun (do not combine with torchrun)")
+        sub.add_argument(
+            "--nproc",
+            type=_positive_int,
+            default=None,
+            help="number of ranks: plan describes that world; finetune and report re-launch "
+            "themselves on that many local ranks through torchrun (do not combine with torchrun)",
+        )
     finetune = commands.choices["finetune"]
     finetune.add_argument("--steps", type=_positive_int, default=50, help="optimizer steps (default 50)")
     finetune.add_argument("--lr", type=_positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
@@ -66,8 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence (default 64)")
     finetune.add_argument("--max-grad-norm", type=_positive_float, default=1.0, help="gradient clipping (default 1.0)")
     finetune.add_argument("--data", default=None, help="UTF-8 text file to train on (default: the bundled corpus)")
-    finetune.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
-                          help=f"where the fine-tuned checkpoint goes (default ./{DEFAULT_OUTPUT_DIR})")
+    finetune.add_argument(
+        "--output-dir",
+        default=DEFAULT_OUTPUT_DIR,
+        help=f"where the fine-tuned checkpoint goes (default ./{DEFAULT_OUTPUT_DIR})",
+    )
     finetune.add_argument("--seed", type=int, default=0, help="data order seed (default 0)")
     return parser
 
@@ -107,8 +122,17 @@ def _relaunch(argv: Sequence[str], nproc: int) -> int:
     Only the launcher's status comes back: a rank that fails prints its own error, and torchrun
     then exits non-zero (with status 1, whatever the rank's was).
     """
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "nemo_wrap.cli", *_without_nproc(argv)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "nemo_wrap.cli",
+        *_without_nproc(argv),
+    ]
     return subprocess.run(command, check=False).returncode
 
 
@@ -118,7 +142,9 @@ def _tokenizer(path: Path):
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as error:
-        raise TokenizerNotFoundError(f"{path}: no tokenizer that transformers can load ({type(error).__name__})") from error
+        raise TokenizerNotFoundError(
+            f"{path}: no tokenizer that transformers can load ({type(error).__name__})"
+        ) from error
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -164,11 +190,13 @@ def _run_finetune(args: argparse.Namespace) -> int:
         data = Path(args.data) if args.data else bundled_corpus()
         windows = read_token_windows(data, tokenizer, args.seq_len)
         model = NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup)
-        say(model.load_report.summary())
+        say(cast("LoadReport", model.load_report).summary())
         dp_rank = setup.device_mesh().get_local_rank("dp") if setup.dp_size > 1 else 0
         batches = iterate_batches(windows, args.batch_size, args.seed, dp_rank, setup.dp_size)
-        say(f"data: {data} — {windows.shape[0]} windows of {args.seq_len} tokens; "
-            f"{args.batch_size} per rank x {setup.dp_size} data-parallel rank(s) per step")
+        say(
+            f"data: {data} — {windows.shape[0]} windows of {args.seq_len} tokens; "
+            f"{args.batch_size} per rank x {setup.dp_size} data-parallel rank(s) per step"
+        )
 
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         losses = []

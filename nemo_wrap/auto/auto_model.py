@@ -70,7 +70,9 @@ class NeMoAutoModelForCausalLM:
         per-tensor checksums with what every rank holds. ``seed`` seeds whatever is initialized.
         The result carries ``model.load_report``.
         """
-        config, checkpoint = on_every_rank("opening the checkpoint", lambda: _open(path, allow_pickle, config_overrides))
+        config, checkpoint = on_every_rank(
+            "opening the checkpoint", lambda: _open(path, allow_pickle, config_overrides)
+        )
         source = resolve_model_source(config, force_hf=force_hf)
         plan = _make_plan(source, distributed_setup, has_checkpoint=True)
         dtype = _resolve_dtype(dtype, config, checkpoint)

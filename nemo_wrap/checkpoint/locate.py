@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -56,7 +57,7 @@ def _from_hub_cache(repo_id: str, local_rank: int) -> Path:
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]
     distributed = is_multi_rank()
     error: Exception | None = None
-    directory = None
+    directory: str | None = None
     if local_rank == 0:
         try:
             directory = snapshot_download(repo_id, allow_patterns=patterns)
@@ -71,7 +72,7 @@ def _from_hub_cache(repo_id: str, local_rank: int) -> Path:
             error = caught
     if error is not None:
         raise CheckpointNotFoundError(f"{repo_id}: not a local directory, and the hub cache has no copy ({error})")
-    return Path(directory)
+    return Path(cast(str, directory))  # set on every rank that saw no error
 
 
 def open_checkpoint(directory: Path, allow_pickle: bool = False) -> Checkpoint:
@@ -88,9 +89,7 @@ def open_checkpoint(directory: Path, allow_pickle: bool = False) -> Checkpoint:
         )
     if pickles:
         return Checkpoint(directory, {}, _load_pickles(directory, pickles[0]))
-    raise CheckpointNotFoundError(
-        f"{directory}: no weight files (expected {SINGLE_FILE} or {INDEX_FILE})"
-    )
+    raise CheckpointNotFoundError(f"{directory}: no weight files (expected {SINGLE_FILE} or {INDEX_FILE})")
 
 
 def _entries_from_index(directory: Path) -> dict[str, TensorEntry]:
@@ -98,7 +97,9 @@ def _entries_from_index(directory: Path) -> dict[str, TensorEntry]:
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise CorruptCheckpointError(f"{index_path}: not a valid index (needs a 'weight_map' object): {error}") from None
+        raise CorruptCheckpointError(
+            f"{index_path}: not a valid index (needs a 'weight_map' object): {error}"
+        ) from None
     if not isinstance(weight_map, dict):
         raise CorruptCheckpointError(f"{index_path}: 'weight_map' is not an object")
     root = directory.resolve()
@@ -107,10 +108,14 @@ def _entries_from_index(directory: Path) -> dict[str, TensorEntry]:
     for key, file_name in weight_map.items():
         shard = (directory / str(file_name)).resolve()
         if root not in shard.parents:
-            raise UnsafeCheckpointError(f"{index_path}: shard {file_name!r} of key {key!r} escapes the checkpoint directory")
+            raise UnsafeCheckpointError(
+                f"{index_path}: shard {file_name!r} of key {key!r} escapes the checkpoint directory"
+            )
         if file_name not in headers:
             if not shard.is_file():
-                raise CheckpointNotFoundError(f"{index_path}: names shard {file_name!r} (for key {key!r}), which does not exist")
+                raise CheckpointNotFoundError(
+                    f"{index_path}: names shard {file_name!r} (for key {key!r}), which does not exist"
+                )
             headers[file_name] = read_header(shard)
         if key not in headers[file_name]:
             raise CorruptCheckpointError(f"{index_path}: key {key!r} is mapped to {file_name}, which does not hold it")

@@ -15,9 +15,9 @@ share (as DCP's own file writer does).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from functools import partial
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -42,7 +42,9 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.op
     failure = partial(save_failed, target)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(step, dtype=torch.int64)}
-    staged = on_rank_zero("creating the staging directory", lambda: stage_directory(target, marker=_METADATA_FILE), failure)
+    staged = on_rank_zero(
+        "creating the staging directory", lambda: stage_directory(target, marker=_METADATA_FILE), failure
+    )
     done = False
     try:
         try:
@@ -56,7 +58,6 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.op
             discard(staged)
 
 
-
 def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Restore ``model`` and ``optimizer`` from ``directory`` in place; return the saved step.
 
@@ -68,7 +69,11 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.op
     if not (path / _METADATA_FILE).is_file():
         raise CheckpointNotFoundError(f"{path}: no resumable checkpoint ({_METADATA_FILE} missing)")
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(0, dtype=torch.int64)}
+    state: dict[str, Any] = {
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "step": torch.tensor(0, dtype=torch.int64),
+    }
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return int(state["step"])

@@ -9,20 +9,34 @@ its peak RSS.
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from nemo_wrap.errors import CorruptCheckpointError
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
 _DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER_BYTES = 100 * 2**20
 
@@ -46,11 +60,14 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
         with open(path, "rb") as handle:
             prefix = handle.read(8)
             if len(prefix) < 8:
-                raise CorruptCheckpointError(f"{path}: truncated safetensors file ({file_size} bytes, no header length)")
+                raise CorruptCheckpointError(
+                    f"{path}: truncated safetensors file ({file_size} bytes, no header length)"
+                )
             header_size = int.from_bytes(prefix, "little")
             if header_size > min(_MAX_HEADER_BYTES, file_size - 8):
                 raise CorruptCheckpointError(
-                    f"{path}: header length {header_size} exceeds the file ({file_size} bytes): truncated or not safetensors"
+                    f"{path}: header length {header_size} exceeds the file ({file_size} bytes): "
+                    "truncated or not safetensors"
                 )
             raw = handle.read(header_size)
     except OSError as error:
@@ -80,8 +97,12 @@ def _validated_entry(path: Path, key: str, info: object, data_start: int, file_s
     shape, offsets = info["shape"], info["data_offsets"]
     if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
         raise CorruptCheckpointError(f"{path}: tensor {key!r} has invalid shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) for o in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    ):
         raise CorruptCheckpointError(f"{path}: tensor {key!r} has invalid data_offsets {offsets!r}")
     nbytes = offsets[1] - offsets[0]
     expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -112,7 +133,7 @@ class BlockReader:
     """
 
     def __init__(self) -> None:
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, io.FileIO] = {}
         self.bytes_read: dict[str, int] = {}
 
     def close(self) -> None:
@@ -133,7 +154,7 @@ class BlockReader:
         block does not cover whole. Converts dtype when ``out`` differs from the checkpoint.
         """
         shape = entry.shape
-        ranges = [range(*s.indices(n)) for s, n in zip(block, shape)]
+        ranges = [range(*s.indices(n)) for s, n in zip(block, shape, strict=False)]
         block_shape = tuple(len(r) for r in ranges)
         if tuple(out.shape) != block_shape:
             raise CorruptCheckpointError(
@@ -146,25 +167,33 @@ class BlockReader:
         run_dim = len(shape) - 1
         while run_dim > 0 and len(ranges[run_dim]) == shape[run_dim]:
             run_dim -= 1
-        inner = math.prod(shape[run_dim + 1:]) if shape else 1
+        inner = math.prod(shape[run_dim + 1 :]) if shape else 1
         run_elements = len(ranges[run_dim]) * inner if shape else 1
-        buffer = out if (out.dtype == entry.dtype and out.is_contiguous() and out.device.type == "cpu") else torch.empty(block_shape, dtype=entry.dtype)
-        target = memoryview(buffer.view(-1).view(torch.uint8).numpy())
-        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        buffer = (
+            out
+            if (out.dtype == entry.dtype and out.is_contiguous() and out.device.type == "cpu")
+            else torch.empty(block_shape, dtype=entry.dtype)
+        )
+        # numpy's stubs declare ``ndarray.__buffer__`` only for Python >= 3.12; the buffer protocol is there.
+        target = memoryview(cast("Buffer", buffer.view(-1).view(torch.uint8).numpy()))
+        strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
         handle = self._handle(entry.file)
         written = 0
         for outer in itertools.product(*ranges[:run_dim]):
-            flat = sum(i * s for i, s in zip(outer, strides)) + (ranges[run_dim].start * strides[run_dim] if shape else 0)
+            flat = sum(i * s for i, s in zip(outer, strides, strict=False)) + (
+                ranges[run_dim].start * strides[run_dim] if shape else 0
+            )
             handle.seek(entry.start + flat * element)
             size = run_elements * element
-            if handle.readinto(target[written:written + size]) != size:
+            if handle.readinto(target[written : written + size]) != size:
                 raise CorruptCheckpointError(f"{entry.file}: tensor {entry.key!r}: file ended while reading")
             written += size
         self.bytes_read[entry.key] = self.bytes_read.get(entry.key, 0) + written
         if buffer is not out:
             out.copy_(buffer)
 
-    def _handle(self, path: Path):
+    def _handle(self, path: Path) -> io.FileIO:
         if path not in self._handles:
-            self._handles[path] = open(path, "rb", buffering=0)
+            # Kept open across reads on purpose (one handle per file); closed by ``close``.
+            self._handles[path] = open(path, "rb", buffering=0)  # noqa: SIM115
         return self._handles[path]

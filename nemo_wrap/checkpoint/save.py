@@ -40,8 +40,18 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' default
 _CONFIG_FILE = "config.json"  # an existing directory holding one is a checkpoint we may replace
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def save_hf_checkpoint(
@@ -65,7 +75,9 @@ def save_hf_checkpoint(
     limit = _parse_size(max_shard_size)
     tensors, _ = checkpoint_tensors(model)  # tie targets omitted, as transformers does
     failure = partial(save_failed, target)
-    staged = on_rank_zero("creating the staging directory", lambda: stage_directory(target, marker=_CONFIG_FILE), failure)
+    staged = on_rank_zero(
+        "creating the staging directory", lambda: stage_directory(target, marker=_CONFIG_FILE), failure
+    )
     done = False
     try:
         index = _write_files(tensors, _plan_files(tensors, limit), _hf_keys_converter(adapter), staged, failure)
@@ -75,7 +87,6 @@ def save_hf_checkpoint(
     finally:
         if is_rank_zero() and not done:
             discard(staged)
-
 
 
 def _write_files(

@@ -45,7 +45,7 @@ def on_every_rank(what: str, action: Callable[[], T]) -> T:
     result = None
     try:
         result = action()
-    except Exception as caught:  # noqa: BLE001 - re-raised below, unchanged
+    except Exception as caught:  # re-raised below, unchanged
         error = caught
     if is_multi_rank():
         failed = torch.tensor([0 if error is None else 1], device=collective_device())
@@ -68,7 +68,7 @@ def on_rank_zero(what: str, action: Callable[[], T], failure: Callable[[str], Ne
     if is_rank_zero():
         try:
             outcome[1] = action()
-        except Exception as caught:  # noqa: BLE001 - reported on every rank below
+        except Exception as caught:  # reported on every rank below
             error = caught
             outcome[0] = f"{type(caught).__name__}: {caught}"
     if is_multi_rank():

@@ -110,7 +110,7 @@ class DistributedSetup:
 
     def describe(self) -> str:
         """One readable line per fact, for logs, the CLI and the load plan."""
-        mesh = ", ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape))
+        mesh = ", ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape, strict=True))
         lines = [f"strategy {self.strategy} on {self.world_size} rank(s), mesh ({mesh})"]
         if not self.entry.shards_parameters:
             lines.append(f"every rank holds the whole model; gradients all-reduced over dp={self.dp_size}")

@@ -29,5 +29,6 @@ def shard_model(model: nn.Module, setup: DistributedSetup, tp_plan: TensorParall
     mesh = setup.device_mesh()
     if setup.uses_tensor_parallel:
         apply_tensor_parallel(model, mesh["tp"], tp_plan)
-    model.nemo_distributed_setup = setup
+    # ``nn.Module.__setattr__`` is annotated for tensors and modules only; plain attributes work at runtime.
+    model.nemo_distributed_setup = setup  # type: ignore[assignment]
     return entry.apply(model, mesh, setup.options)

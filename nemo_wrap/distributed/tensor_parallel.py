@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import partial
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,9 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from nemo_wrap.errors import ShardingError
 from nemo_wrap.validation import require_positive_int
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 TensorParallelPlan = Mapping[str, ParallelStyle]
 
@@ -101,5 +105,5 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     parallelize_module(model, tp_mesh, dict(plan or {}), src_data_rank=None)
     # Each style registered a new Parameter, so a tied lm_head now holds its own copy; the
     # embedding and the lm_head are both Shard(0) on the same mesh, so re-tying is exact.
-    model.tie_weights()
+    cast("PreTrainedModel", model).tie_weights()  # a transformers model: its spec gave the plan
     return model

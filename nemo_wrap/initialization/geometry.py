@@ -52,7 +52,7 @@ class ShardGeometry:
         """
         return tuple(
             int(index[0]) if index.numel() else size
-            for index, size in zip(self.dim_indices, self.global_shape)
+            for index, size in zip(self.dim_indices, self.global_shape, strict=True)
         )
 
     @property
@@ -96,9 +96,7 @@ def shard_geometry(tensor: torch.Tensor, name: str = "tensor") -> ShardGeometry:
         dim = placement.dim
         # The placement splits along its own tensor dim: present the index vector with that shape.
         as_dim = dim_indices[dim].view([1] * dim + [-1])
-        pieces, _ = placement._split_tensor(
-            as_dim, mesh.size(mesh_dim), with_padding=False, contiguous=False
-        )
+        pieces, _ = placement._split_tensor(as_dim, mesh.size(mesh_dim), with_padding=False, contiguous=False)
         dim_indices[dim] = pieces[coordinate[mesh_dim]].reshape(-1)
     return ShardGeometry(global_shape, tuple(dim_indices))
 

@@ -56,4 +56,3 @@ def nemo_model_class(cls: type[PreTrainedModel]) -> type[PreTrainedModel]:
             )
             _WRAPPED[cls] = wrapped
     return wrapped
-

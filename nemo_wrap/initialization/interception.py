@@ -110,20 +110,21 @@ class InitSession:
         distribution but never indexes the weight (which would gather a DTensor); if the rule wrote
         the weight, the padding row is then zeroed where it lives.
         """
-        padding_idx = module.padding_idx if isinstance(module, nn.Embedding) else None
+        embedding = module if isinstance(module, nn.Embedding) else None
+        padding_idx = embedding.padding_idx if embedding is not None else None
         previous = self._current, self._written
         self._current, self._written = (qualname, module), set()
-        if padding_idx is not None:
-            module.padding_idx = None
+        if embedding is not None and padding_idx is not None:
+            embedding.padding_idx = None
         try:
             rule(module)
-            weight_written = padding_idx is not None and id(module.weight) in self._written
+            weight_written = embedding is not None and padding_idx is not None and id(embedding.weight) in self._written
         finally:
-            if padding_idx is not None:
-                module.padding_idx = padding_idx
+            if embedding is not None and padding_idx is not None:
+                embedding.padding_idx = padding_idx
             self._current, self._written = previous
-        if weight_written:
-            zero_padding_row_(module.weight, padding_idx, name=_join(qualname, "weight"))
+        if weight_written and embedding is not None and padding_idx is not None:
+            zero_padding_row_(embedding.weight, padding_idx, name=_join(qualname, "weight"))
 
     # -- what the redirected init functions do -------------------------------------------------
     def _target(self, function: str, tensor: torch.Tensor) -> str | None:
@@ -136,11 +137,7 @@ class InitSession:
                 f"{tuple(tensor.shape)} that is not a parameter or buffer of the model (a slice or "
                 "copy); writing it would not change the model"
             )
-        if (
-            id(tensor) in self._loaded_ids
-            or name in self._tie_targets
-            or getattr(tensor, "_is_hf_initialized", False)
-        ):
+        if id(tensor) in self._loaded_ids or name in self._tie_targets or getattr(tensor, "_is_hf_initialized", False):
             return None
         self._written.add(id(tensor))
         return name

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -40,8 +40,16 @@ from nemo_wrap.errors import InvalidInitArgumentError
 from nemo_wrap.initialization.interception import InitSession
 from nemo_wrap.initialization.ties import retie_
 
+if TYPE_CHECKING:
+    # The mixin is only ever combined with a ``PreTrainedModel`` class: to the type checker it is
+    # one, so ``self`` has the model's attributes and ``super()._init_weights`` resolves. At
+    # runtime it stays a plain mixin (its only base is ``object``).
+    _MixinBase = PreTrainedModel
+else:
+    _MixinBase = object
 
-class NeMoPreTrainedModel:
+
+class NeMoPreTrainedModel(_MixinBase):
     """Mixin for a transformers ``PreTrainedModel`` subclass: seeded, sharding-independent init.
 
     Seed: ``initialize_weights(seed=...)``, else ``torch.initial_seed()`` (so ``torch.manual_seed``

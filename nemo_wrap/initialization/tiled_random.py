@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from transformers.initialization import TORCH_INIT_FUNCTIONS
@@ -70,9 +71,8 @@ class TruncatedNormal:
 
     def sample_(self, tile: torch.Tensor, generator: torch.Generator) -> None:
         # transformers keeps torch's original primitives here, untouched by any patching.
-        TORCH_INIT_FUNCTIONS["trunc_normal_"](
-            tile, mean=self.mean, std=self.std, a=self.low, b=self.high, generator=generator
-        )
+        trunc_normal_ = cast("Callable[..., torch.Tensor]", TORCH_INIT_FUNCTIONS["trunc_normal_"])
+        trunc_normal_(tile, mean=self.mean, std=self.std, a=self.low, b=self.high, generator=generator)
 
 
 def _tile_generator(seed: int, name: str, tile: int) -> torch.Generator:
@@ -84,9 +84,7 @@ def _tile_generator(seed: int, name: str, tile: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def random_fill_(
-    tensor: torch.Tensor, distribution: Distribution, *, seed: int, name: str
-) -> torch.Tensor:
+def random_fill_(tensor: torch.Tensor, distribution: Distribution, *, seed: int, name: str) -> torch.Tensor:
     """Fill ``tensor`` (plain or DTensor) in place with the seeded, sharding-independent draw.
 
     ``name`` is the parameter's fully qualified name; with ``seed`` and the global shape it

@@ -88,7 +88,11 @@ class LoadPlan:
         return f"{self.strategy} needs real full weights: shard after they are in place"
 
     def __str__(self) -> str:
-        where = "one process" if self.strategy is None else f"{self.strategy} on {self.world_size} rank(s), tp={self.tp_size}"
+        where = (
+            "one process"
+            if self.strategy is None
+            else f"{self.strategy} on {self.world_size} rank(s), tp={self.tp_size}"
+        )
         kind = "custom" if self.is_custom else "transformers"
         arrive = "yes" if self.weights_arrive_with_build else "no"
         lines = [

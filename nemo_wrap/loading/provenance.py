@@ -85,11 +85,16 @@ class LoadReport:
     def summary(self) -> str:
         counts = self.counts()
         parts = [f"{n} {kind}" for kind, n in counts.items() if n]
-        lines = [f"load report: {len(self.provenance)} tensors — {', '.join(parts)}; {self.bytes_read:,} bytes read on this rank"]
+        lines = [
+            f"load report: {len(self.provenance)} tensors — {', '.join(parts)}; "
+            f"{self.bytes_read:,} bytes read on this rank"
+        ]
         if self.unexpected_keys:
             lines.append(f"  unused checkpoint keys: {', '.join(self.unexpected_keys)}")
         if self.verified is not None:
-            lines.append(f"  verify: {'checksums of every tensor match the checkpoint' if self.verified else 'MISMATCH'}")
+            lines.append(
+                f"  verify: {'checksums of every tensor match the checkpoint' if self.verified else 'MISMATCH'}"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -30,7 +30,7 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
     breaks = (torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1).tolist()
     starts = [0, *breaks]
     stops = [*breaks, index.numel()]
-    return [(int(index[a]), int(index[b - 1]) + 1, a) for a, b in zip(starts, stops)]
+    return [(int(index[a]), int(index[b - 1]) + 1, a) for a, b in zip(starts, stops, strict=True)]
 
 
 def read_into_model(
@@ -68,7 +68,11 @@ def _read_one(name, tensor, adapter, transform, checkpoint, reader, used) -> Pro
         _check_shapes(name, global_shape, all_sources, checkpoint.entries)
         _read_local_shard(name, tensor, geometry, adapter, checkpoint.entries, reader)
     used.update(keys)
-    files = tuple(dict.fromkeys(checkpoint.entries[k].file.name for k in keys)) if checkpoint.pickle_tensors is None else ("pickle",)
+    files = (
+        tuple(dict.fromkeys(checkpoint.entries[k].file.name for k in keys))
+        if checkpoint.pickle_tensors is None
+        else ("pickle",)
+    )
     return Loaded(files, keys, transform)
 
 
@@ -102,7 +106,9 @@ def _read_local_shard(name, tensor, geometry, adapter, entries, reader) -> None:
     trailing_runs = [_runs(index) for index in geometry.dim_indices[1:]]
     for row_start, row_stop, local_row in _runs(geometry.dim_indices[0]):
         for source in adapter.hf_sources(name, row_start, row_stop):
-            rows_out = slice(local_row + source.local_rows.start, local_row + source.local_rows.stop, source.local_rows.step)
+            rows_out = slice(
+                local_row + source.local_rows.start, local_row + source.local_rows.stop, source.local_rows.step
+            )
             for combination in itertools.product(*trailing_runs):
                 block = (source.hf_rows, *(slice(g0, g1) for g0, g1, _ in combination))
                 out_index = (rows_out, *(slice(l0, l0 + g1 - g0) for g0, g1, l0 in combination))
@@ -116,10 +122,12 @@ def _copy_from_pickle(name, tensor, geometry, sources, tensors: dict[str, torch.
         full = parts[0].reshape(())
     else:
         full = torch.empty(geometry.global_shape, dtype=parts[0].dtype)
-        for source, part in zip(sources, parts):
+        for source, part in zip(sources, parts, strict=True):
             full[source.local_rows] = part
     if tuple(full.shape) != geometry.global_shape:
-        raise ShapeMismatchError(f"pickle checkpoint: {sources[0].hf_key!r} cannot fill {name!r} of shape {list(geometry.global_shape)}")
+        raise ShapeMismatchError(
+            f"pickle checkpoint: {sources[0].hf_key!r} cannot fill {name!r} of shape {list(geometry.global_shape)}"
+        )
     if geometry.is_empty:
         return
     local_shard(tensor).copy_(full[torch.meshgrid(*geometry.dim_indices, indexing="ij")])

@@ -38,20 +38,22 @@ def _checksum(values: torch.Tensor, geometry: ShardGeometry) -> int:
     shape = geometry.global_shape
     flat = torch.zeros(geometry.local_shape, dtype=torch.int64)
     for dim, index in enumerate(geometry.dim_indices):
-        stride = math.prod(shape[dim + 1:])
+        stride = math.prod(shape[dim + 1 :])
         flat = flat + index.view([-1 if d == dim else 1 for d in range(len(shape))]) * stride
     weights = torch.remainder(flat.reshape(-1) * 40503 + 7919, _PRIME)
     return int(torch.remainder(torch.remainder(bits * weights, _PRIME).sum(), _PRIME))
 
 
-def _owns_distinct_piece(tensor: torch.Tensor) -> bool:
+def _owns_distinct_piece(tensor: DTensor) -> bool:
     coordinate = tensor.device_mesh.get_coordinate()
     return coordinate is not None and all(
         coordinate[d] == 0 for d, p in enumerate(tensor.placements) if isinstance(p, Replicate)
     )
 
 
-def _expected_full(name: str, like: torch.Tensor, adapter: StateDictAdapter, checkpoint: Checkpoint, reader: BlockReader) -> torch.Tensor:
+def _expected_full(
+    name: str, like: torch.Tensor, adapter: StateDictAdapter, checkpoint: Checkpoint, reader: BlockReader
+) -> torch.Tensor:
     shape = tuple(like.shape)
     full = torch.empty(shape, dtype=like.dtype)
     rows = shape[0] if shape else 1

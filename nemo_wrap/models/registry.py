@@ -60,7 +60,8 @@ def _transformers_causal_lm_class(config: PretrainedConfig) -> type[PreTrainedMo
             f"config of type {type(config).__name__} (model_type={getattr(config, 'model_type', None)!r}) "
             "is not a causal LM known to transformers' AutoModelForCausalLM"
         )
-    return mapping[type(config)]
+    # transformers annotates ``_LazyAutoMapping.__getitem__`` as a pair, but it returns the model class.
+    return mapping[type(config)]  # type: ignore[return-value]
 
 
 def resolve_model_source(config: PretrainedConfig, force_hf: bool = False) -> ModelSource:

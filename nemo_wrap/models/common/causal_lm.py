@@ -23,6 +23,7 @@ from nemo_wrap.models.common.decoder import DecoderModel
 from nemo_wrap.models.common.norm import RMSNorm
 from nemo_wrap.models.common.rope import RotaryEmbedding, rope_inverse_frequencies
 
+
 class NeMoCausalLM(PreTrainedModel, GenerationMixin):
     """Decoder-only LM: ``model`` (:class:`DecoderModel`) then ``lm_head``.
 
@@ -35,9 +36,11 @@ class NeMoCausalLM(PreTrainedModel, GenerationMixin):
 
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["DecoderLayer"]
+    # transformers declares the next two as instance attributes (``post_init`` reassigns
+    # ``_no_split_modules`` on the instance), so a ``ClassVar`` annotation would contradict the base class.
+    _no_split_modules = ["DecoderLayer"]  # noqa: RUF012
     _supports_sdpa = True
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # noqa: RUF012
 
     def __init__(self, config: PreTrainedConfig) -> None:
         super().__init__(config)

@@ -88,7 +88,7 @@ class DecoderModel(nn.Module):
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | dict[str, torch.Tensor] | None = None,
-        position_ids: torch.LongTensor | None = None,
+        position_ids: torch.Tensor | None = None,
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool = False,

@@ -69,6 +69,8 @@ class RotaryEmbedding(nn.Module):
     device or ``to_empty`` it holds no values, so the model's init rule recomputes it from the config.
     """
 
+    inv_freq: torch.Tensor  # registered as a buffer in ``__init__``
+
     def __init__(self, config: PreTrainedConfig) -> None:
         super().__init__()
         self.config = config

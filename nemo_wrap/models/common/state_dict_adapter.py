@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import PreTrainedConfig
@@ -42,7 +43,9 @@ class _Fusion:
 
 
 class FusedStateDictAdapter:
-    """The adapter of our fused Llama-family decoders (Llama, Qwen2, Qwen3 alike): maps whole state dicts both ways and row ranges of one key to checkpoint rows.
+    """The adapter of our fused Llama-family decoders (Llama, Qwen2, Qwen3 alike).
+
+    Maps whole state dicts both ways, and row ranges of one key to checkpoint rows.
 
     ``to_hf`` and ``from_hf`` are exact inverses on every key: ``from_hf(to_hf(sd))`` has the same
     keys and bitwise-equal tensors as ``sd``. For a config with ``tie_word_embeddings``, ``to_hf``
@@ -52,7 +55,7 @@ class FusedStateDictAdapter:
 
     def __init__(self, config: PreTrainedConfig) -> None:
         self.tie_word_embeddings = bool(config.tie_word_embeddings)
-        self._layouts = {
+        self._layouts: dict[str, QKVLayout | GateUpLayout] = {
             "self_attn.qkv_proj": QKVLayout.from_config(config),
             "mlp.gate_up_proj": GateUpLayout.from_config(config),
         }
@@ -79,7 +82,7 @@ class FusedStateDictAdapter:
             if key is None:
                 state_dict[hf_key] = tensor
             elif key not in state_dict:
-                fusion = self._fusion(key)
+                fusion = cast(_Fusion, self._fusion(key))  # ``key`` is a fused key: never None
                 missing = [part for part in fusion.hf_keys if part not in hf_state_dict]
                 if missing:
                     raise CheckpointKeyError(f"checkpoint lacks {missing}, needed with {hf_key!r} to build {key!r}")

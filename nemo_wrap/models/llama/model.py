@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from transformers import LlamaConfig
+from typing import cast
+
+from transformers import LlamaConfig, PreTrainedConfig
 
 from nemo_wrap.initialization import NeMoPreTrainedModel
 from nemo_wrap.models.common.attention import FusedAttention
@@ -17,10 +19,19 @@ class NeMoLlamaForCausalLM(NeMoPreTrainedModel, NeMoCausalLM):
     config_class = LlamaConfig
     hf_architecture = "LlamaForCausalLM"
 
+    # ``config`` is a ``LlamaConfig`` (``config_class``); the base class takes any ``PreTrainedConfig``.
     @classmethod
-    def _build_attention(cls, config: LlamaConfig, layer_idx: int) -> FusedAttention:
-        return FusedAttention(config, layer_idx, qkv_bias=config.attention_bias, output_bias=config.attention_bias)
+    def _build_attention(cls, config: PreTrainedConfig, layer_idx: int) -> FusedAttention:
+        llama_config = cast(LlamaConfig, config)
+        bias = llama_config.attention_bias
+        return FusedAttention(llama_config, layer_idx, qkv_bias=bias, output_bias=bias)
 
     @classmethod
-    def _build_mlp(cls, config: LlamaConfig) -> GatedMLP:
-        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=config.mlp_bias)
+    def _build_mlp(cls, config: PreTrainedConfig) -> GatedMLP:
+        llama_config = cast(LlamaConfig, config)
+        return GatedMLP(
+            llama_config.hidden_size,
+            llama_config.intermediate_size,
+            llama_config.hidden_act,
+            bias=llama_config.mlp_bias,
+        )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from transformers import Qwen2Config
+from typing import cast
+
+from transformers import PreTrainedConfig, Qwen2Config
 
 from nemo_wrap.initialization import NeMoPreTrainedModel
 from nemo_wrap.models.common.attention import FusedAttention
@@ -17,10 +19,12 @@ class NeMoQwen2ForCausalLM(NeMoPreTrainedModel, NeMoCausalLM):
     config_class = Qwen2Config
     hf_architecture = "Qwen2ForCausalLM"
 
+    # ``config`` is a ``Qwen2Config`` (``config_class``); the base class takes any ``PreTrainedConfig``.
     @classmethod
-    def _build_attention(cls, config: Qwen2Config, layer_idx: int) -> FusedAttention:
+    def _build_attention(cls, config: PreTrainedConfig, layer_idx: int) -> FusedAttention:
         return FusedAttention(config, layer_idx, qkv_bias=True, output_bias=False)
 
     @classmethod
-    def _build_mlp(cls, config: Qwen2Config) -> GatedMLP:
-        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=False)
+    def _build_mlp(cls, config: PreTrainedConfig) -> GatedMLP:
+        qwen2_config = cast(Qwen2Config, config)
+        return GatedMLP(qwen2_config.hidden_size, qwen2_config.intermediate_size, qwen2_config.hidden_act, bias=False)

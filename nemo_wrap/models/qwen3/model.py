@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
-from transformers import Qwen3Config
+from transformers import PreTrainedConfig, Qwen3Config
 
 from nemo_wrap.initialization import NeMoPreTrainedModel
 from nemo_wrap.models.common.attention import FusedAttention
@@ -36,10 +38,12 @@ class NeMoQwen3ForCausalLM(NeMoPreTrainedModel, NeMoCausalLM):
     config_class = Qwen3Config
     hf_architecture = "Qwen3ForCausalLM"
 
+    # ``config`` is a ``Qwen3Config`` (``config_class``); the base class takes any ``PreTrainedConfig``.
     @classmethod
-    def _build_attention(cls, config: Qwen3Config, layer_idx: int) -> QKNormAttention:
-        return QKNormAttention(config, layer_idx)
+    def _build_attention(cls, config: PreTrainedConfig, layer_idx: int) -> QKNormAttention:
+        return QKNormAttention(cast(Qwen3Config, config), layer_idx)
 
     @classmethod
-    def _build_mlp(cls, config: Qwen3Config) -> GatedMLP:
-        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=False)
+    def _build_mlp(cls, config: PreTrainedConfig) -> GatedMLP:
+        qwen3_config = cast(Qwen3Config, config)
+        return GatedMLP(qwen3_config.hidden_size, qwen3_config.intermediate_size, qwen3_config.hidden_act, bias=False)
