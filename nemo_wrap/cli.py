@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from nemo_wrap.distributed import DistributedSetup, destroy_distributed, initialize_distributed
+from nemo_wrap.distributed.strategies import strategy_names
 from nemo_wrap.errors import InvalidSetupError, NeMoWrapError, TokenizerNotFoundError
 from nemo_wrap.validation import require_positive_int
 
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             help="checkpoint directory (default: the embedded default, built on first use)",
         )
-        sub.add_argument("--strategy", default="fsdp2", help="ddp | fsdp2 | megatron_fsdp (default fsdp2)")
+        sub.add_argument("--strategy", default="fsdp2", help=f"{' | '.join(strategy_names())} (default fsdp2)")
         sub.add_argument("--tp-size", type=_positive_int, default=1, help="tensor-parallel degree (default 1)")
         sub.add_argument(
             "--nproc",

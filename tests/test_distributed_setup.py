@@ -137,3 +137,62 @@ def test_two_by_two_mesh_on_four_ranks(ranks4):
     assert [r[0] for r in results] == [[0, 0], [0, 1], [1, 0], [1, 1]]
     assert [r[1] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]  # dp groups stride over tp
     assert [r[2] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # tp groups are neighbours
+
+
+# -- a strategy registered from outside the package ---------------------------------------------
+def _toy_entry(applied: list):
+    """DDP's apply under another name, recording its calls: everything else must come from the entry."""
+    from nemo_wrap.distributed.strategies import StrategyEntry
+    from nemo_wrap.distributed.strategies.ddp import DDPOptions, apply_ddp
+
+    def apply(model, mesh, options):
+        applied.append((tuple(mesh.shape), options))
+        return apply_ddp(model, mesh, options)
+
+    return StrategyEntry(
+        name="toy_replicate",
+        options_class=DDPOptions,
+        shards_on_meta=False,
+        shards_parameters=False,
+        supports_tensor_parallel=False,
+        apply=apply,
+        check_available=lambda: None,
+    )
+
+
+def test_a_registered_strategy_is_validated_described_and_planned_from_its_entry(monkeypatch):
+    from nemo_wrap.distributed.strategies import registry
+    from nemo_wrap.loading.plan import Step, make_load_plan
+
+    monkeypatch.setitem(registry._REGISTRY, "toy_replicate", _toy_entry([]))
+    setup = DistributedSetup.build("toy_replicate", 4)
+    assert setup.mesh_shape == (4,) and setup.mesh_dim_names == ("dp",) and not setup.uses_fsdp
+    assert "every rank holds the whole model" in setup.describe()
+    with pytest.raises(InvalidSetupError, match="tp_size=2"):
+        DistributedSetup.build("toy_replicate", 4, tp_size=2)
+    with pytest.raises(InvalidSetupError, match="reshard_after_forward"):
+        DistributedSetup.build("toy_replicate", 4, reshard_after_forward=True)
+    steps = make_load_plan("Model", False, "why", "toy_replicate", 4, 1, True).steps
+    assert steps.index(Step.SHARD) > steps.index(Step.READ_CHECKPOINT)  # needs real weights first
+
+
+def case_registered_strategy_shards_and_matches_one_process():
+    from nemo_wrap.auto import NeMoAutoModelForCausalLM
+    from nemo_wrap.distributed.strategies import register_strategy, registry
+    from tests.tiny_models import tiny_config
+
+    applied: list = []
+    register_strategy(_toy_entry(applied))
+    try:
+        setup = DistributedSetup.build("toy_replicate", 2)
+        model = NeMoAutoModelForCausalLM.from_config(tiny_config("llama"), distributed_setup=setup, seed=4)
+    finally:
+        registry._REGISTRY.pop("toy_replicate")
+    reference = NeMoAutoModelForCausalLM.from_config(tiny_config("llama"), seed=4)
+    same = all(torch.equal(t, reference.state_dict()[n]) for n, t in model.state_dict().items())
+    return applied[0][0], model.nemo_distributed_setup.strategy, same
+
+
+def test_a_registered_strategy_shards_models_on_two_ranks(ranks2):
+    for mesh_shape, strategy, same in ranks2.run(case_registered_strategy_shards_and_matches_one_process):
+        assert mesh_shape == (2,) and strategy == "toy_replicate" and same
