@@ -23,9 +23,10 @@ def shard_model(model: nn.Module, setup: DistributedSetup, tp_plan: TensorParall
 
     The setup is recorded on the model as ``nemo_distributed_setup``: the training step reads its
     data-parallel group from there, and ``generate`` knows that its forward holds collectives.
+    The caller checks ``setup.entry.check_available()`` first, before any work that would be lost
+    (the load pipeline does so before it builds anything).
     """
     entry = setup.entry
-    entry.check_available()
     mesh = setup.device_mesh()
     if setup.uses_tensor_parallel:
         apply_tensor_parallel(model, mesh["tp"], tp_plan)

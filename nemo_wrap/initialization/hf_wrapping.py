@@ -14,7 +14,7 @@ module); pickle state dicts, not model objects.
 ``hf_architecture`` records the transformers class name: transformers would write
 ``type(self).__name__`` into ``config.json``'s ``architectures`` (``NeMoLlamaForCausalLM``, or
 ``DDPNeMo…`` after torch's ``replicate``), while inference servers and converters read that field
-to pick a class. The mixin's ``save_pretrained`` writes ``hf_architecture`` instead.
+to pick a class. ``ShardedModelMixin.save_pretrained`` (:mod:`nemo_wrap.auto`) writes ``hf_architecture`` instead.
 """
 
 from __future__ import annotations

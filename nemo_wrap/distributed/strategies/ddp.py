@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 
-from nemo_wrap.distributed.strategies.registry import StrategyEntry, register_strategy
+from nemo_wrap.distributed.strategies.registry import StrategyEntry, always_available, register_strategy
 
 
 @dataclass(frozen=True)
@@ -27,10 +27,6 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, options: DDPOptions) -> nn.Mod
     return model
 
 
-def _always_available() -> None:
-    """torch's own DDP runs on every backend nemo_wrap uses."""
-
-
 DDP = register_strategy(
     StrategyEntry(
         name="ddp",
@@ -39,6 +35,6 @@ DDP = register_strategy(
         shards_parameters=False,
         supports_tensor_parallel=False,
         apply=apply_ddp,
-        check_available=_always_available,
+        check_available=always_available,
     )
 )

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from nemo_wrap.distributed.modules import decoder_layers
-from nemo_wrap.distributed.strategies.registry import StrategyEntry, register_strategy
+from nemo_wrap.distributed.strategies.registry import StrategyEntry, always_available, register_strategy
 from nemo_wrap.errors import InvalidSetupError
 
 
@@ -53,10 +53,6 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, options: FSDP2Options) -> nn
     return model
 
 
-def _always_available() -> None:
-    """FSDP2 runs on gloo (CPU) and NCCL alike."""
-
-
 FSDP2 = register_strategy(
     StrategyEntry(
         name="fsdp2",
@@ -65,6 +61,6 @@ FSDP2 = register_strategy(
         shards_parameters=True,
         supports_tensor_parallel=True,
         apply=apply_fsdp2,
-        check_available=_always_available,
+        check_available=always_available,
     )
 )

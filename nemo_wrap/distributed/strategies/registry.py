@@ -50,6 +50,10 @@ class StrategyEntry:
 _REGISTRY: dict[str, StrategyEntry] = {}
 
 
+def always_available() -> None:
+    """The ``check_available`` of strategies torch itself runs on every backend (gloo, NCCL)."""
+
+
 def register_strategy(entry: StrategyEntry) -> StrategyEntry:
     """Make ``entry`` available under ``entry.name`` (replacing an entry of that name)."""
     _REGISTRY[entry.name] = entry
