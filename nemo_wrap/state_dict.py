@@ -15,38 +15,59 @@ import torch
 from torch import nn
 
 
-class HFSource(NamedTuple):
-    """Rows ``hf_rows`` of checkpoint tensor ``hf_key`` fill rows ``local_rows`` of a requested range.
+class SourceBlock(NamedTuple):
+    """A window of a model tensor filled by a window of one checkpoint tensor.
 
-    ``local_rows`` counts from the start of the range (row ``row_start`` of the model's tensor is
-    local row 0) and may be strided (step 2 for an interleaved fused weight), so
-    ``buffer[local_rows] = hf[hf_rows]``.
+    ``target`` has one slice per dimension of the model's tensor (a step is allowed: our fused
+    gate/up rows interleave two checkpoint tensors); ``source`` has one slice per dimension of the
+    checkpoint tensor, each of step 1 and of the same length as the matching target slice. When the
+    checkpoint tensor has one dimension fewer, the model's tensor stacks such tensors along its
+    dimension 0 (one expert per index, as transformers' merged MoE experts are), and the block's
+    target slice on dimension 0 has length 1.
     """
 
     hf_key: str
-    hf_rows: slice
-    local_rows: slice
+    target: tuple[slice, ...]
+    source: tuple[slice, ...]
+
+    @property
+    def stacked(self) -> bool:
+        return len(self.source) == len(self.target) - 1
 
 
 class StateDictAdapter(Protocol):
     """Converts between a model's parameter names and transformers' checkpoint keys."""
 
-    def hf_sources(self, key: str, row_start: int, row_stop: int) -> list[HFSource]:
-        """Which checkpoint rows fill rows ``[row_start, row_stop)`` of the model's tensor ``key``."""
+    def blocks(self, key: str, shape: tuple[int, ...]) -> list[SourceBlock]:
+        """The windows of checkpoint tensors that fill the model's tensor ``key`` of ``shape``.
+
+        Together they cover the tensor exactly once; an empty list means the checkpoint has nothing
+        for it.
+        """
+        ...
+
+    def expected_keys(self, key: str) -> tuple[str, ...]:
+        """The checkpoint keys (or key patterns) that would fill ``key``, for error messages."""
         ...
 
     def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The model's (full) tensors under transformers' keys."""
+        """The model's (full) tensors under transformers' keys and layout."""
         ...
 
 
-class IdentityAdapter:
-    """transformers' own classes: parameter names are checkpoint keys, rows map one to one."""
+def whole(shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """Every index of every dimension of ``shape``."""
+    return tuple(slice(0, size) for size in shape)
 
-    def hf_sources(self, key: str, row_start: int, row_stop: int) -> list[HFSource]:
-        if row_start == row_stop:
-            return []
-        return [HFSource(key, slice(row_start, row_stop), slice(0, row_stop - row_start))]
+
+class IdentityAdapter:
+    """transformers' own classes without a conversion: parameter names are checkpoint keys."""
+
+    def blocks(self, key: str, shape: tuple[int, ...]) -> list[SourceBlock]:
+        return [SourceBlock(key, whole(shape), whole(shape))]
+
+    def expected_keys(self, key: str) -> tuple[str, ...]:
+        return (key,)
 
     def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(state_dict)

@@ -1,16 +1,16 @@
 """Registering an architecture from outside the package: one ``ModelSpec``, no edit to nemo_wrap.
 
-transformers' ``GemmaForCausalLM`` has no tensor-parallel plan in nemo_wrap. The test gives it one
-through a spec registered in each rank's process, loads a seeded Gemma checkpoint under fsdp2 with
-tp=2 on 2 gloo ranks, and compares the logits with transformers' own class in one process.
+The test gives transformers' ``GemmaForCausalLM`` a plan of its own through a spec registered in
+each rank's process (it wins over the plan transformers declares), loads a seeded Gemma checkpoint
+under fsdp2 with tp=2 on 2 gloo ranks, and compares the logits with transformers' own class in one
+process.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from nemo_wrap import MODEL_ARCH_MAPPING, DistributedSetup, ModelSpec, ShardingError, register_architecture
+from nemo_wrap import MODEL_ARCH_MAPPING, DistributedSetup, ModelSpec, register_architecture
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 
 
@@ -88,12 +88,25 @@ def case_registered_gemma_under_fsdp2_tp2(checkpoint: str) -> dict:
         MODEL_ARCH_MAPPING.remove(GEMMA_SPEC)
 
 
-def test_without_a_spec_gemma_has_no_tensor_parallel_plan(tmp_path):
-    _write_gemma_checkpoint(tmp_path)
-    setup = DistributedSetup.build("fsdp2", 2, tp_size=2)
-    assert "NeMoGemmaForCausalLM" in str(NeMoAutoModelForCausalLM.plan(tmp_path, setup))  # describing needs none
-    with pytest.raises(ShardingError, match="GemmaForCausalLM .*no tensor-parallel plan"):
-        NeMoAutoModelForCausalLM.from_pretrained(tmp_path, distributed_setup=setup)
+def test_a_registered_spec_wins_over_the_plan_transformers_declares():
+    from nemo_wrap.models.declared_plans import DeclaredPlan
+
+    config = _gemma_config()
+    declared = NeMoAutoModelForCausalLM.model_class(config).model_spec
+    assert declared.tensor_parallel_plan == DeclaredPlan(declared_class(config))
+    register_architecture(GEMMA_SPEC)
+    try:
+        assert NeMoAutoModelForCausalLM.model_class(config).model_spec is GEMMA_SPEC
+    finally:
+        MODEL_ARCH_MAPPING.remove(GEMMA_SPEC)
+    assert NeMoAutoModelForCausalLM.model_class(config).model_spec == declared
+
+
+def declared_class(config):
+    from transformers import GemmaForCausalLM
+
+    assert type(config).__name__ == "GemmaConfig"
+    return GemmaForCausalLM
 
 
 def test_registered_gemma_loads_under_fsdp2_tp2_with_transformers_logits(ranks2, tmp_path):

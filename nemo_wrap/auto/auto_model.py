@@ -42,7 +42,7 @@ class NeMoAutoModelForCausalLM:
             config, has_checkpoint = path_or_config, False
         else:
             config, has_checkpoint = _load_config(resolve_checkpoint_directory(path_or_config), {}), True
-        return _make_plan(resolve_model_source(config, force_hf), distributed_setup, has_checkpoint)
+        return _make_plan(resolve_model_source(config, force_hf), config, distributed_setup, has_checkpoint)
 
     @classmethod
     def model_class(cls, config: PretrainedConfig, force_hf: bool = False) -> type[PreTrainedModel]:
@@ -74,7 +74,7 @@ class NeMoAutoModelForCausalLM:
             "opening the checkpoint", lambda: _open(path, allow_pickle, config_overrides)
         )
         source = resolve_model_source(config, force_hf=force_hf)
-        plan = _make_plan(source, distributed_setup, has_checkpoint=True)
+        plan = _make_plan(source, config, distributed_setup, has_checkpoint=True)
         dtype = _resolve_dtype(dtype, config, checkpoint)
         return LoadPipeline(plan, source, config, dtype, distributed_setup, seed, checkpoint, strict, verify).run()
 
@@ -94,11 +94,13 @@ class NeMoAutoModelForCausalLM:
         ``"auto"``) means the config's dtype, float32 when it names none.
         """
         source = resolve_model_source(config, force_hf=force_hf)
-        plan = _make_plan(source, distributed_setup, has_checkpoint=False)
+        plan = _make_plan(source, config, distributed_setup, has_checkpoint=False)
         return LoadPipeline(plan, source, config, _resolve_dtype(dtype, config, None), distributed_setup, seed).run()
 
 
-def _make_plan(source: ModelSource, setup: DistributedSetup | None, has_checkpoint: bool) -> LoadPlan:
+def _make_plan(
+    source: ModelSource, config: PretrainedConfig, setup: DistributedSetup | None, has_checkpoint: bool
+) -> LoadPlan:
     return make_load_plan(
         model_class=source.model_class.__name__,
         is_custom=source.is_custom,
@@ -107,6 +109,7 @@ def _make_plan(source: ModelSource, setup: DistributedSetup | None, has_checkpoi
         world_size=1 if setup is None else setup.world_size,
         tp_size=1 if setup is None else setup.tp_size,
         has_checkpoint=has_checkpoint,
+        key_mapping=source.spec.key_mapping(source.architecture, config.model_type),
     )
 
 

@@ -34,7 +34,7 @@ class ShardedModelMixin:
 
     def state_dict_adapter(self) -> StateDictAdapter:
         """Between this model's parameter names and transformers' checkpoint keys."""
-        return self.model_spec.adapter(self.config)  # type: ignore[attr-defined]
+        return self.model_spec.adapter(self)  # type: ignore[arg-type]
 
     def save_pretrained(
         self,

@@ -22,11 +22,11 @@ from nemo_wrap.checkpoint.safetensors_file import BlockReader
 from nemo_wrap.distributed.collectives import collective_device, is_rank_zero, on_every_rank
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.distributed.sharding import shard_model
-from nemo_wrap.distributed.tensor_parallel import check_tensor_parallel_supported
+from nemo_wrap.distributed.tensor_parallel import TensorParallelPlan, check_tensor_parallel_supported
 from nemo_wrap.errors import MissingWeightsError, UnexpectedKeysError
 from nemo_wrap.loading.plan import LoadPlan, Step
 from nemo_wrap.loading.provenance import Initialized, LoadReport, Provenance, Tied
-from nemo_wrap.loading.read import matches_any, read_into_model
+from nemo_wrap.loading.read import checkpoint_shapes, matches_any, read_into_model
 from nemo_wrap.loading.verify import verify_load
 from nemo_wrap.models.registry import ModelSource
 from nemo_wrap.state_dict import checkpoint_tensors
@@ -51,6 +51,7 @@ class LoadPipeline:
     provenance: dict[str, Provenance] = field(default_factory=dict)
     used_keys: set[str] = field(default_factory=set)
     bytes_read: int = 0
+    tp_plan: TensorParallelPlan | None = None
 
     def run(self) -> PreTrainedModel:
         self.check_preconditions()
@@ -68,25 +69,29 @@ class LoadPipeline:
 
     def check_preconditions(self) -> None:
         """Local checks every rank makes alike, before any allocation or collective."""
+        if self.checkpoint is not None:
+            self.source.spec.check_checkpoint_keys(self.source.architecture, self.config.model_type)
         if self.setup is None:
             return
         self.setup.entry.check_available()
-        plan = self.source.spec.parallel_plan()
-        check_tensor_parallel_supported(plan, self.config, self.setup.tp_size, self.source.model_class.__name__)
+        if self.setup.uses_tensor_parallel:
+            self.tp_plan = self.source.spec.parallel_plan()
+        check_tensor_parallel_supported(self.tp_plan, self.config, self.setup.tp_size, self.source.model_class.__name__)
 
     def build_on_meta(self) -> None:
         self.model = build_on_meta(loadable_class(self.source), self.config, self.dtype)
 
     def shard(self) -> None:
         assert self.setup is not None  # the plan has a shard step only with a setup
-        self.model = shard_model(self.model, self.setup, self.source.spec.parallel_plan())
+        self.model = shard_model(self.model, self.setup, self.tp_plan)
 
     def materialize(self) -> None:
         materialize(self.model, collective_device())
 
     def read_checkpoint(self) -> None:
         assert self.checkpoint is not None  # the plan reads only when there is a checkpoint
-        checkpoint, adapter = self.checkpoint, self.source.spec.adapter(self.config)
+        checkpoint = self.checkpoint
+        adapter = self.source.spec.adapter(self.model, checkpoint_shapes(checkpoint))
 
         def read() -> tuple[dict[str, Provenance], set[str], int]:
             with BlockReader() as reader:
@@ -118,7 +123,8 @@ class LoadPipeline:
         self.model.load_report = report
         if self.verify and self.checkpoint is not None:
             distinct, _ = checkpoint_tensors(self.model)
-            verify_load(distinct, self.provenance, self.source.spec.adapter(self.config), self.checkpoint)
+            adapter = self.source.spec.adapter(self.model, checkpoint_shapes(self.checkpoint))
+            verify_load(distinct, self.provenance, adapter, self.checkpoint)
             report.verified = True
         self._raise_if_incomplete(report)
         if is_rank_zero():

@@ -47,6 +47,7 @@ class LoadPlan:
     tp_size: int
     has_checkpoint: bool
     steps: tuple[Step, ...]
+    key_mapping: str = "transformers' keys as they are"
 
     @property
     def init_device(self) -> str:
@@ -101,6 +102,8 @@ class LoadPlan:
         ]
         lines += [f"  {number}. {step.value}" for number, step in enumerate(self.steps, 1)]
         lines.append(f"  checkpoint: {self.read_scope}")
+        if self.has_checkpoint:
+            lines.append(f"  keys: {self.key_mapping}")
         lines.append(f"  initialize: {self.initialize_scope}")
         if self.strategy is not None:
             lines.append(f"  sharding: {self.shard_reason}")
@@ -115,6 +118,7 @@ def make_load_plan(
     world_size: int,
     tp_size: int,
     has_checkpoint: bool,
+    key_mapping: str = "transformers' keys as they are",
 ) -> LoadPlan:
     """The one place loading is decided. Pure: no I/O, no process group; strategy facts come from
     the strategy registry (static data)."""
@@ -127,4 +131,6 @@ def make_load_plan(
     if strategy is not None and not shard_first:
         steps.append(Step.SHARD)
     steps.append(Step.AUDIT)
-    return LoadPlan(model_class, is_custom, source_reason, strategy, world_size, tp_size, has_checkpoint, tuple(steps))
+    return LoadPlan(
+        model_class, is_custom, source_reason, strategy, world_size, tp_size, has_checkpoint, tuple(steps), key_mapping
+    )

@@ -1,16 +1,19 @@
 """Reading a checkpoint into a (possibly sharded) model: each rank fills only its own shards.
 
 For every distinct parameter (and persistent buffer) the rank's local shard is located in global
-coordinates (:func:`shard_geometry`), the adapter names which rows of which checkpoint tensors fill
-those global rows, and :class:`BlockReader` copies exactly those bytes into the shard's storage —
-no full-tensor staging, no collective. Tied parameters are one object after materialization, so
-they are read once and reported as tied.
+coordinates (:func:`shard_geometry`), the adapter names the windows of checkpoint tensors that fill
+the tensor (:class:`SourceBlock`), and each window's intersection with the local shard is copied —
+by :class:`BlockReader`, exactly those bytes — into the shard's storage: no full-tensor staging, no
+collective. Tied parameters are one object after materialization, so they are read once and
+reported as tied.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,19 +21,12 @@ from torch import nn
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader, TensorEntry
 from nemo_wrap.errors import ShapeMismatchError
-from nemo_wrap.initialization.geometry import local_shard, shard_geometry
+from nemo_wrap.initialization.geometry import ShardGeometry, local_shard, shard_geometry
 from nemo_wrap.loading.provenance import Loaded, Missing, Provenance, Tied
-from nemo_wrap.state_dict import IdentityAdapter, StateDictAdapter, checkpoint_tensors
+from nemo_wrap.state_dict import IdentityAdapter, SourceBlock, StateDictAdapter, checkpoint_tensors
 
-
-def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Split global indices into maximal step-1 runs: (global start, global stop, local start)."""
-    if index.numel() == 0:
-        return []
-    breaks = (torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1).tolist()
-    starts = [0, *breaks]
-    stops = [*breaks, index.numel()]
-    return [(int(index[a]), int(index[b - 1]) + 1, a) for a, b in zip(starts, stops, strict=True)]
+# (checkpoint key, one step-1 slice per checkpoint-tensor dim, destination of that block's shape)
+CopyBlock = Callable[[str, tuple[slice, ...], torch.Tensor], None]
 
 
 def read_into_model(
@@ -45,94 +41,160 @@ def read_into_model(
     distinct, tied = checkpoint_tensors(model)
     provenance: dict[str, Provenance] = {}
     used: set[str] = set()
+    copy_block = checkpoint_copier(checkpoint, reader)
     with torch.no_grad():
         for name, tensor in distinct.items():
-            provenance[name] = _read_one(name, tensor, adapter, transform, checkpoint, reader, used)
+            found = provenance[name] = _read_one(name, tensor, adapter, transform, checkpoint, copy_block)
+            if isinstance(found, Loaded):
+                used.update(found.keys)
     for target, source in tied.items():
         provenance[target] = Tied(source)
         used.add(target)  # a checkpoint that also stores the tie target holds the same tensor
     return provenance, used
 
 
-def _read_one(name, tensor, adapter, transform, checkpoint, reader, used) -> Provenance:
-    geometry = shard_geometry(tensor, name)
-    global_shape = geometry.global_shape
-    all_sources = adapter.hf_sources(name, 0, global_shape[0]) if global_shape else adapter.hf_sources(name, 0, 1)
-    keys = tuple(dict.fromkeys(s.hf_key for s in all_sources))
-    absent = [key for key in keys if key not in checkpoint.entries and key not in (checkpoint.pickle_tensors or {})]
-    if not keys or absent:
-        return Missing(keys or (name,))
+def checkpoint_copier(checkpoint: Checkpoint, reader: BlockReader) -> CopyBlock:
+    """How one block is copied: exact-byte reads from the files, or slices of allowed pickle tensors."""
     if checkpoint.pickle_tensors is not None:
-        _copy_from_pickle(name, tensor, geometry, all_sources, checkpoint.pickle_tensors)
-    else:
-        _check_shapes(name, global_shape, all_sources, checkpoint.entries)
-        _read_local_shard(name, tensor, geometry, adapter, checkpoint.entries, reader)
-    used.update(keys)
-    files = (
-        tuple(dict.fromkeys(checkpoint.entries[k].file.name for k in keys))
-        if checkpoint.pickle_tensors is None
-        else ("pickle",)
-    )
+        tensors = checkpoint.pickle_tensors
+
+        def copy_from_memory(key: str, source: tuple[slice, ...], out: torch.Tensor) -> None:
+            out.copy_(tensors[key][source])
+
+        return copy_from_memory
+    entries = checkpoint.entries
+    return lambda key, source, out: reader.read_block_into(entries[key], source, out)
+
+
+def _read_one(
+    name: str,
+    tensor: torch.Tensor,
+    adapter: StateDictAdapter,
+    transform: str,
+    checkpoint: Checkpoint,
+    copy_block: CopyBlock,
+) -> Provenance:
+    geometry = shard_geometry(tensor, name)
+    blocks = adapter.blocks(name, geometry.global_shape)
+    keys = tuple(dict.fromkeys(block.hf_key for block in blocks))
+    shapes = checkpoint_shapes(checkpoint)
+    if not keys or any(key not in shapes for key in keys):
+        return Missing(adapter.expected_keys(name))
+    check_blocks(name, geometry.global_shape, blocks, shapes, checkpoint)
+    fill_from_blocks(local_shard(tensor), geometry, blocks, copy_block)
+    files = ("pickle",) if checkpoint.pickle_tensors is not None else _files_of(keys, checkpoint.entries)
     return Loaded(files, keys, transform)
 
 
-def _check_shapes(name, global_shape, sources, entries: dict[str, TensorEntry]) -> None:
-    rows = 0
-    for source in sources:
-        entry = entries[source.hf_key]
-        trailing = tuple(entry.shape[1:]) if entry.shape else ()
-        if trailing != tuple(global_shape[1:]) or (entry.shape and source.hf_rows.stop > entry.shape[0]):
-            raise ShapeMismatchError(
-                f"{entry.file}: tensor {source.hf_key!r} has shape {list(entry.shape)}, which cannot fill "
-                f"parameter {name!r} of shape {list(global_shape)}"
-            )
-        rows += len(range(*source.hf_rows.indices(entry.shape[0] if entry.shape else 1)))
-    expected_rows = global_shape[0] if global_shape else 1
-    if rows != expected_rows:
-        key = sources[0].hf_key
-        raise ShapeMismatchError(
-            f"{entries[key].file}: tensor {key!r} has shape {list(entries[key].shape)}, but parameter "
-            f"{name!r} needs shape {list(global_shape)}"
+def checkpoint_shapes(checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint key's shape, from the safetensors headers or the allowed pickle tensors."""
+    if checkpoint.pickle_tensors is not None:
+        return {key: tuple(t.shape) for key, t in checkpoint.pickle_tensors.items()}
+    return {key: entry.shape for key, entry in checkpoint.entries.items()}
+
+
+def _files_of(keys: Iterable[str], entries: dict[str, TensorEntry]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(entries[key].file.name for key in keys))
+
+
+def check_blocks(
+    name: str,
+    shape: tuple[int, ...],
+    blocks: list[SourceBlock],
+    shapes: dict[str, tuple[int, ...]],
+    checkpoint: Checkpoint,
+) -> None:
+    """Raise :class:`ShapeMismatchError` unless every block fits its checkpoint tensor, each
+    checkpoint tensor is used whole, and the blocks fill the parameter exactly."""
+    used_volume: dict[str, int] = {}
+    for block in blocks:
+        source_shape = shapes[block.hf_key]
+        fits = (
+            len(source_shape) == len(block.source)
+            and all(s.stop <= size for s, size in zip(block.source, source_shape, strict=True))
+            and _extents(block.target)[1 if block.stacked else 0 :] == _extents(block.source)
         )
+        if not fits:
+            raise _mismatch(checkpoint, block.hf_key, source_shape, name, shape)
+        used_volume[block.hf_key] = used_volume.get(block.hf_key, 0) + _volume(block.source)
+    for key, volume in used_volume.items():
+        if volume != _volume(tuple(slice(0, n) for n in shapes[key])):
+            raise _mismatch(checkpoint, key, shapes[key], name, shape)
+    if sum(_volume(block.target) for block in blocks) != _volume(tuple(slice(0, n) for n in shape)):
+        key = blocks[0].hf_key
+        raise _mismatch(checkpoint, key, shapes[key], name, shape)
 
 
-def _read_local_shard(name, tensor, geometry, adapter, entries, reader) -> None:
+def _extents(window: tuple[slice, ...]) -> tuple[int, ...]:
+    return tuple(len(range(s.start, s.stop, s.step or 1)) for s in window)
+
+
+def _volume(window: tuple[slice, ...]) -> int:
+    volume = 1
+    for extent in _extents(window):
+        volume *= extent
+    return volume
+
+
+def _mismatch(
+    checkpoint: Checkpoint, key: str, source_shape: tuple[int, ...], name: str, shape: tuple[int, ...]
+) -> ShapeMismatchError:
+    where = checkpoint.entries[key].file if key in checkpoint.entries else "pickle checkpoint"
+    return ShapeMismatchError(
+        f"{where}: tensor {key!r} has shape {list(source_shape)}, which cannot fill parameter {name!r} "
+        f"of shape {list(shape)}"
+    )
+
+
+def fill_from_blocks(
+    local: torch.Tensor, geometry: ShardGeometry, blocks: list[SourceBlock], copy_block: CopyBlock
+) -> None:
+    """Copy into ``local`` (this rank's shard, laid out by ``geometry``) its part of every block."""
     if geometry.is_empty:
         return
-    local = local_shard(tensor)
-    if not geometry.global_shape:  # a scalar
-        reader.read_block_into(entries[adapter.hf_sources(name, 0, 1)[0].hf_key], (), local)
-        return
-    trailing_runs = [_runs(index) for index in geometry.dim_indices[1:]]
-    for row_start, row_stop, local_row in _runs(geometry.dim_indices[0]):
-        for source in adapter.hf_sources(name, row_start, row_stop):
-            rows_out = slice(
-                local_row + source.local_rows.start, local_row + source.local_rows.stop, source.local_rows.step
+    for block in blocks:
+        per_dim = [
+            _runs(*_intersect(index, window)) for index, window in zip(geometry.dim_indices, block.target, strict=True)
+        ]
+        for combination in itertools.product(*per_dim):
+            destination = tuple(slice(l0, l0 + step * (n - 1) + 1, step) for l0, step, _, n in combination)
+            offsets = tuple(slice(o0, o0 + n) for _, _, o0, n in combination)
+            out = local[destination]
+            if block.stacked:  # target dim 0 is the stacking index: the checkpoint tensor lacks it
+                out, offsets = out[0], offsets[1:]
+            source = tuple(
+                slice(w.start + o.start, w.start + o.stop) for o, w in zip(offsets, block.source, strict=True)
             )
-            for combination in itertools.product(*trailing_runs):
-                block = (source.hf_rows, *(slice(g0, g1) for g0, g1, _ in combination))
-                out_index = (rows_out, *(slice(l0, l0 + g1 - g0) for g0, g1, l0 in combination))
-                reader.read_block_into(entries[source.hf_key], block, local[out_index])
+            copy_block(block.hf_key, source, out)
 
 
-def _copy_from_pickle(name, tensor, geometry, sources, tensors: dict[str, torch.Tensor]) -> None:
-    """Explicitly allowed ``.bin`` checkpoints are already in memory: assemble, then take the shard."""
-    parts = [tensors[s.hf_key][s.hf_rows] for s in sources]
-    if not geometry.global_shape:
-        full = parts[0].reshape(())
-    else:
-        full = torch.empty(geometry.global_shape, dtype=parts[0].dtype)
-        for source, part in zip(sources, parts, strict=True):
-            full[source.local_rows] = part
-    if tuple(full.shape) != geometry.global_shape:
-        raise ShapeMismatchError(
-            f"pickle checkpoint: {sources[0].hf_key!r} cannot fill {name!r} of shape {list(geometry.global_shape)}"
-        )
-    if geometry.is_empty:
-        return
-    local_shard(tensor).copy_(full[torch.meshgrid(*geometry.dim_indices, indexing="ij")])
+def _intersect(index: torch.Tensor, window: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local positions whose global index lies in ``window``, and their offsets within the window."""
+    step = window.step or 1
+    inside = (index >= window.start) & (index < window.stop) & ((index - window.start) % step == 0)
+    positions = torch.nonzero(inside).flatten()
+    return positions, (index[positions] - window.start) // step
 
 
-def matches_any(name: str, patterns) -> bool:
+def _runs(positions: torch.Tensor, offsets: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """Split aligned (local position, window offset) pairs into runs where the offset grows by 1 and
+    the position by a constant step: ``(first position, step, first offset, length)``."""
+    count = positions.numel()
+    if count == 0:
+        return []
+    position_steps = positions[1:] - positions[:-1]
+    offset_steps = offsets[1:] - offsets[:-1]
+    breaks = (offset_steps != 1) | (position_steps < 1)
+    breaks[1:] |= position_steps[1:] != position_steps[:-1]
+    starts = [0, *(torch.nonzero(breaks).flatten() + 1).tolist()]
+    stops = [*starts[1:], count]
+    runs = []
+    for a, b in zip(starts, stops, strict=True):
+        step = int(position_steps[a]) if b - a > 1 else 1
+        runs.append((int(positions[a]), step, int(offsets[a]), b - a))
+    return runs
+
+
+def matches_any(name: str, patterns: Iterable[Any] | None) -> bool:
     """transformers' ``_keys_to_ignore_on_load_*`` entries are regular expressions."""
     return any(re.search(pattern, name) for pattern in patterns or ())

@@ -23,6 +23,7 @@ from nemo_wrap.distributed.collectives import collective_device, is_multi_rank
 from nemo_wrap.errors import LoadVerificationError
 from nemo_wrap.initialization.geometry import ShardGeometry, local_shard, shard_geometry
 from nemo_wrap.loading.provenance import Loaded, Provenance
+from nemo_wrap.loading.read import CopyBlock, checkpoint_copier, fill_from_blocks
 from nemo_wrap.state_dict import StateDictAdapter
 
 _PRIME = 2**31 - 1
@@ -51,19 +52,10 @@ def _owns_distinct_piece(tensor: DTensor) -> bool:
     )
 
 
-def _expected_full(
-    name: str, like: torch.Tensor, adapter: StateDictAdapter, checkpoint: Checkpoint, reader: BlockReader
-) -> torch.Tensor:
-    shape = tuple(like.shape)
-    full = torch.empty(shape, dtype=like.dtype)
-    rows = shape[0] if shape else 1
-    for source in adapter.hf_sources(name, 0, rows):
-        if checkpoint.pickle_tensors is not None:
-            full[source.local_rows] = checkpoint.pickle_tensors[source.hf_key][source.hf_rows].to(like.dtype)
-            continue
-        entry = checkpoint.entries[source.hf_key]
-        block = (source.hf_rows, *(slice(0, n) for n in shape[1:])) if shape else ()
-        reader.read_block_into(entry, block, full[source.local_rows] if shape else full)
+def _expected_full(name: str, like: torch.Tensor, adapter: StateDictAdapter, copy_block: CopyBlock) -> torch.Tensor:
+    """The full tensor the checkpoint holds for ``name``, assembled as the loader would (one process)."""
+    full = torch.empty(tuple(like.shape), dtype=like.dtype)
+    fill_from_blocks(full, shard_geometry(full, name), adapter.blocks(name, tuple(like.shape)), copy_block)
     return full
 
 
@@ -81,10 +73,11 @@ def verify_load(
     expected = torch.zeros(len(names), dtype=torch.int64)
     actual = torch.zeros(len(names), dtype=torch.int64)
     with BlockReader() as reader, torch.no_grad():
+        copy_block = checkpoint_copier(checkpoint, reader)
         for i, name in enumerate(names):
             tensor = tensors[name]
             if i % world == rank:
-                full = _expected_full(name, tensor, adapter, checkpoint, reader)
+                full = _expected_full(name, tensor, adapter, copy_block)
                 expected[i] = _checksum(full, shard_geometry(full, name))
             if not isinstance(tensor, DTensor) or _owns_distinct_piece(tensor):
                 actual[i] = _checksum(local_shard(tensor), shard_geometry(tensor, name))

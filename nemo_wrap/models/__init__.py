@@ -5,7 +5,8 @@
   resolution of a config to a spec and a class.
 - :mod:`.llama`, :mod:`.qwen2`, :mod:`.qwen3`: our fused implementations (``model.py``) and their
   ``SPEC`` (``__init__.py``), on top of :mod:`.common`.
-- :mod:`.transformers_classes`: specs that give transformers' own classes a tensor-parallel plan.
+- :mod:`.conversion`: transformers' checkpoint conversion (renamed keys, merged experts) as windows.
+- :mod:`.declared_plans`: the tensor-parallel plans transformers declares, as torch styles.
 
 Our classes' names resolve lazily, so importing this package (or one architecture) does not
 import the others.

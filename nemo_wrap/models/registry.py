@@ -4,7 +4,8 @@
 spec in front of it, so a later registration wins. Our own implementations (Llama, Qwen2, Qwen3)
 serve their architectures unless ``force_hf``; every other causal LM known to transformers falls
 back to its transformers class wrapped with the init mixin, with the tensor-parallel plan of a
-spec that names that class (:mod:`.transformers_classes`), if any.
+registered spec that names that class, else the plan transformers declares for it
+(:mod:`.declared_plans`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from nemo_wrap.errors import UnsupportedModelError
 from nemo_wrap.initialization import nemo_model_class
 from nemo_wrap.models import llama, qwen2, qwen3
+from nemo_wrap.models.declared_plans import DeclaredPlan, declares_a_plan
 from nemo_wrap.models.spec import ModelSpec
-from nemo_wrap.models.transformers_classes import TRANSFORMERS_SPECS
 
-MODEL_ARCH_MAPPING: list[ModelSpec] = [llama.SPEC, qwen2.SPEC, qwen3.SPEC, *TRANSFORMERS_SPECS]
+MODEL_ARCH_MAPPING: list[ModelSpec] = [llama.SPEC, qwen2.SPEC, qwen3.SPEC]
 
 
 def register_architecture(spec: ModelSpec) -> None:
@@ -39,6 +40,7 @@ class ModelSource:
 
     spec: ModelSpec
     model_class: type[PreTrainedModel]
+    architecture: str  # the transformers class it stands for: what saved configs name
     reason: str
 
     @property
@@ -64,19 +66,26 @@ def _transformers_causal_lm_class(config: PretrainedConfig) -> type[PreTrainedMo
     return mapping[type(config)]  # type: ignore[return-value]
 
 
+def _transformers_spec(hf_class: type[PreTrainedModel]) -> ModelSpec:
+    """A transformers class's spec: its checkpoint keys (and conversion) as transformers has them,
+    and the tensor-parallel plan transformers declares for it, if any."""
+    plan = DeclaredPlan(hf_class) if declares_a_plan(hf_class) else None
+    return ModelSpec(architectures=(hf_class.__name__,), tensor_parallel_plan=plan)
+
+
 def resolve_model_source(config: PretrainedConfig, force_hf: bool = False) -> ModelSource:
     """Pick the implementation for ``config``: ours when registered (and not ``force_hf``), else HF's."""
     architectures = getattr(config, "architectures", None) or []
     architecture = architectures[0] if architectures else None
     custom = None if force_hf else _find_spec(architecture, custom=True)
-    if custom is not None and custom.model_class is not None:
-        return ModelSource(custom, custom.model_class, f"{architecture} has a registered implementation")
+    if custom is not None and custom.model_class is not None and architecture is not None:
+        return ModelSource(custom, custom.model_class, architecture, f"{architecture} has a registered implementation")
     hf_class = _transformers_causal_lm_class(config)
-    spec = _find_spec(hf_class.__name__, custom=False) or ModelSpec(architectures=(hf_class.__name__,))
+    spec = _find_spec(hf_class.__name__, custom=False) or _transformers_spec(hf_class)
     if force_hf:
         reason = "force_hf=True"
     elif architecture is None:
         reason = "the config names no architecture: transformers' class for its model_type"
     else:
         reason = f"{architecture} has no custom implementation"
-    return ModelSource(spec, nemo_model_class(hf_class), reason)
+    return ModelSource(spec, nemo_model_class(hf_class), hf_class.__name__, reason)

@@ -10,11 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from transformers import PretrainedConfig, PreTrainedModel
 
 from nemo_wrap.distributed.tensor_parallel import ReplicateWithGradientSum, TensorParallelPlan
-from nemo_wrap.state_dict import IdentityAdapter, StateDictAdapter
+from nemo_wrap.models.conversion import (
+    Shapes,
+    TransformersConversion,
+    conversion_transforms,
+    describe_conversion,
+    require_supported,
+)
+from nemo_wrap.state_dict import IdentityAdapter, StateDictAdapter, checkpoint_tensors
 
 
 @dataclass(frozen=True)
@@ -25,7 +33,8 @@ class ModelSpec:
     - ``model_class``: our own implementation, or ``None`` for transformers' class itself (wrapped
       with the seeded, shard-aware init mixin).
     - ``state_dict_adapter``: builds, from a config, the adapter between the class's parameter
-      names and transformers' checkpoint keys; ``None`` when they are the same.
+      names and transformers' checkpoint keys; ``None`` for transformers' own classes, whose keys
+      follow transformers' own conversion mapping (renames, merged experts) where it has one.
     - ``tensor_parallel_plan``: the ``parallelize_module`` plan; ``None`` means no tensor parallel.
     - ``gradient_sum_modules``: module patterns kept whole under tensor parallel although they act
       on a rank's local heads (Qwen3's q/k norms), whose gradients are summed over the tp ranks.
@@ -42,9 +51,31 @@ class ModelSpec:
         """Whether the spec brings its own implementation (else transformers' class is used)."""
         return self.model_class is not None
 
-    def adapter(self, config: PretrainedConfig) -> StateDictAdapter:
-        """The adapter for ``config``: the spec's, or the identity for transformers' own keys."""
-        return IdentityAdapter() if self.state_dict_adapter is None else self.state_dict_adapter(config)
+    def adapter(self, model: PreTrainedModel, checkpoint_shapes: Shapes | None = None) -> StateDictAdapter:
+        """The adapter for ``model`` (reading ``checkpoint_shapes``, key → shape, when loading).
+
+        The spec's own adapter if it names one; else transformers' conversion mapping for the
+        model's class, or the identity when transformers converts nothing for it.
+        """
+        if self.state_dict_adapter is not None:
+            return self.state_dict_adapter(model.config)
+        architecture = cast(str, model.hf_architecture)  # set on every class nemo_wrap builds
+        transforms = conversion_transforms(architecture, model.config.model_type)
+        if not transforms:
+            return IdentityAdapter()
+        names = list(checkpoint_tensors(model)[0])
+        return TransformersConversion(transforms, model.config, names, model.base_model_prefix, checkpoint_shapes or {})
+
+    def key_mapping(self, architecture: str, model_type: str) -> str:
+        """How checkpoint keys become the model's tensors, in words (printed in the load plan)."""
+        if self.state_dict_adapter is not None:
+            return getattr(self.state_dict_adapter, "__name__", type(self.state_dict_adapter).__name__)
+        return describe_conversion(conversion_transforms(architecture, model_type))
+
+    def check_checkpoint_keys(self, architecture: str, model_type: str) -> None:
+        """Raise :class:`UnsupportedModelError` before any read if the keys cannot be mapped shard by shard."""
+        if self.state_dict_adapter is None:
+            require_supported(conversion_transforms(architecture, model_type))
 
     def parallel_plan(self) -> TensorParallelPlan | None:
         """The full tensor-parallel plan, gradient-summed modules included; ``None`` if there is none."""

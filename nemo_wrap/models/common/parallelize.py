@@ -1,4 +1,4 @@
-"""Tensor-parallel plans of the Llama family, for our fused decoders and transformers' classes.
+"""The tensor-parallel plan of our fused Llama-family decoders.
 
 Megatron-style: q/k/v and gate/up column-parallel (``Shard(0)`` of the weight, local outputs),
 ``o_proj`` and ``down_proj`` row-parallel (``Shard(1)``, all-reduced replicated outputs), the
@@ -35,16 +35,5 @@ def fused_decoder_plan() -> dict[str, ParallelStyle]:
         f"{_LAYER}.self_attn.qkv_proj": ColwiseParallel(),
         f"{_LAYER}.self_attn.o_proj": RowwiseParallel(),
         f"{_LAYER}.mlp.gate_up_proj": ColwiseParallel(),
-        f"{_LAYER}.mlp.down_proj": RowwiseParallel(),
-    }
-
-
-def llama_family_plan() -> dict[str, ParallelStyle]:
-    """transformers' Llama, Mistral, Qwen2 and Qwen3 classes (separate q/k/v and gate/up)."""
-    return {
-        **_ends(),
-        **{f"{_LAYER}.self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")},
-        f"{_LAYER}.self_attn.o_proj": RowwiseParallel(),
-        **{f"{_LAYER}.mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")},
         f"{_LAYER}.mlp.down_proj": RowwiseParallel(),
     }

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 from transformers import PreTrainedConfig
 
 from nemo_wrap.errors import CheckpointKeyError
 from nemo_wrap.models.common.layouts import GateUpLayout, QKVLayout
-from nemo_wrap.state_dict import HFSource
+from nemo_wrap.state_dict import SourceBlock
 
 LM_HEAD_KEY = "lm_head.weight"
 EMBEDDING_KEY = "model.embed_tokens.weight"
@@ -32,6 +32,18 @@ _FUSED_MODULES = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+
+
+class HFSource(NamedTuple):
+    """Rows ``hf_rows`` of checkpoint tensor ``hf_key`` fill rows ``local_rows`` of a requested range.
+
+    ``local_rows`` counts from the start of the range (row ``row_start`` of our tensor is local row
+    0) and may be strided (step 2 for ``gate_up_proj``), so ``buffer[local_rows] = hf[hf_rows]``.
+    """
+
+    hf_key: str
+    hf_rows: slice
+    local_rows: slice
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,21 @@ class FusedStateDictAdapter:
         return state_dict
 
     # -- one key, a range of rows ---------------------------------------------------------------
+    def blocks(self, key: str, shape: tuple[int, ...]) -> list[SourceBlock]:
+        """The row windows of checkpoint tensors that fill our ``key`` (all other dimensions whole)."""
+        trailing = tuple(slice(0, size) for size in shape[1:])
+        blocks = []
+        for source in self.hf_sources(key, 0, shape[0] if shape else 1):
+            target_rows = source.local_rows  # the range starts at row 0: local rows are global rows
+            if shape:
+                blocks.append(SourceBlock(source.hf_key, (target_rows, *trailing), (source.hf_rows, *trailing)))
+            else:
+                blocks.append(SourceBlock(source.hf_key, (), ()))
+        return blocks
+
+    def expected_keys(self, key: str) -> tuple[str, ...]:
+        return tuple(self.hf_keys(key))
+
     def hf_keys(self, key: str) -> list[str]:
         """The checkpoint keys whose rows make up our ``key``."""
         fusion = self._fusion(key)
