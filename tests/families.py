@@ -59,7 +59,6 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
 }
 RENAMED = ("gpt_neox",)
-MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3")
 
 
 def family_config(family: str):

@@ -1,8 +1,8 @@
 """Every causal-LM family transformers loads, we load: 17 families, checkpoints written by transformers.
 
-Per family: one process, fsdp2 on 2 gloo ranks and tp=2 give logits equal to transformers' own
-``from_pretrained`` of the same checkpoint (fp32, atol 1e-5), or, under tp, a clear refusal; what we
-save has transformers' key set and reloads in plain transformers to the same logits. Renamed keys
+Per family: one process, fsdp2 on 2 gloo ranks and tp=2 (the plan transformers declares) give
+logits equal to transformers' own ``from_pretrained`` of the same checkpoint (fp32, atol 1e-5);
+what we save has transformers' key set and reloads in plain transformers to the same logits. Renamed keys
 (GPT-NeoX) and per-expert MoE tensors (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V3) go through
 transformers' conversion mapping, read shard by shard.
 """
@@ -18,11 +18,9 @@ from transformers import AutoModelForCausalLM
 
 from nemo_wrap import DistributedSetup, ShardingError
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
-from tests.families import FAMILIES, MOE, RENAMED, tokens, write_family_checkpoint
+from tests.families import FAMILIES, RENAMED, tokens, write_family_checkpoint
 
 ATOL = 1e-5
-# Every family but the MoE ones: their declared plans shard experts in ways nemo_wrap refuses.
-TENSOR_PARALLEL = tuple(family for family in FAMILIES if family not in MOE)
 
 
 @pytest.fixture(autouse=True)
@@ -117,18 +115,26 @@ def test_fsdp2_on_two_ranks(ranks2, family, tmp_path):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tensor_parallel_on_two_ranks_or_a_clear_refusal(ranks2, family, tmp_path):
+def test_tensor_parallel_on_two_ranks_from_the_declared_plan(ranks2, family, tmp_path):
     write_family_checkpoint(family, tmp_path / "hf")
     expected = _transformers_logits(tmp_path / "hf")
     for result in ranks2.run(case_family_under, family, str(tmp_path / "hf"), 2, str(tmp_path / "ours")):
-        if family in TENSOR_PARALLEL:
-            assert result["verified"] is True
-            torch.testing.assert_close(result["logits"], expected, atol=ATOL, rtol=0)
-        else:
-            assert "cannot honour" in result["refused"] and "moe_tp_experts" in result["refused"]
-    if family in TENSOR_PARALLEL:
-        assert _keys(tmp_path / "ours") == _keys(tmp_path / "hf")
-        torch.testing.assert_close(_transformers_logits(tmp_path / "ours"), expected, atol=ATOL, rtol=0)
+        assert result["verified"] is True, result.get("refused")
+        torch.testing.assert_close(result["logits"], expected, atol=ATOL, rtol=0)
+    assert _keys(tmp_path / "ours") == _keys(tmp_path / "hf")
+    torch.testing.assert_close(_transformers_logits(tmp_path / "ours"), expected, atol=ATOL, rtol=0)
+
+
+def test_declared_entries_without_an_equivalent_are_refused_by_name():
+    from transformers import DeepseekV2ForCausalLM, MixtralForCausalLM
+
+    from nemo_wrap.models.declared_plans import DeclaredPlan, TransformersStyle
+
+    experts = DeclaredPlan(MixtralForCausalLM)()["model.layers.*.mlp.experts"]
+    assert isinstance(experts, TransformersStyle)
+    assert experts.parameters == {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+    with pytest.raises(ShardingError, match=r"'model.layers.\*.self_attn.kv_a_proj_with_mqa': 'mla_kv_a_proj'"):
+        DeclaredPlan(DeepseekV2ForCausalLM)()
 
 
 # -- every element distinct: each local shard is the transformers parameter's slice --------------
@@ -160,7 +166,9 @@ def case_local_shards_are_slices(directory: str, expected: dict[str, torch.Tenso
 
 
 @pytest.mark.parametrize(
-    ("family", "tp_size"), [(RENAMED[0], 1), (RENAMED[0], 2), ("mixtral", 1)], ids=["gpt_neox-fsdp2", "gpt_neox-tp2", "mixtral-fsdp2"]
+    ("family", "tp_size"),
+    [(RENAMED[0], 1), (RENAMED[0], 2), ("mixtral", 1), ("mixtral", 2)],
+    ids=["gpt_neox-fsdp2", "gpt_neox-tp2", "mixtral-fsdp2", "mixtral-tp2"],
 )
 def test_every_local_shard_is_the_transformers_parameters_slice(ranks2, family, tp_size, tmp_path):
     expected = _write_distinct(family, tmp_path)
@@ -172,14 +180,14 @@ def test_every_local_shard_is_the_transformers_parameters_slice(ranks2, family, 
         assert sum(r["bytes_read"] for r in results) == file_bytes
 
 
-# -- an MoE family trains under ddp and fsdp2 as in one process --------------------------------------------
+# -- an MoE family trains under ddp, fsdp2 and tensor parallel as in one process --------------------------------------------
 def _batches(step: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 + step % 2)
     input_ids = torch.randint(4, 257, (4, 12), generator=generator)
     return {"input_ids": input_ids, "labels": input_ids}
 
 
-def case_moe_training(directory: str, strategy: str) -> tuple[list[float], list[float]]:
+def case_moe_training(directory: str, strategy: str, tp_size: int) -> tuple[list[float], list[float]]:
     import torch.distributed as dist
 
     from nemo_wrap.training import train_step
@@ -191,15 +199,15 @@ def case_moe_training(directory: str, strategy: str) -> tuple[list[float], list[
         ]
 
     reference = train(NeMoAutoModelForCausalLM.from_pretrained(directory), slice(0, 4))
-    setup = DistributedSetup.build(strategy, 2)
-    rank = dist.get_rank()
-    sharded = train(NeMoAutoModelForCausalLM.from_pretrained(directory, distributed_setup=setup), slice(2 * rank, 2 * rank + 2))
+    setup = DistributedSetup.build(strategy, 2, tp_size=tp_size)
+    rows = slice(0, 4) if tp_size == 2 else slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)  # tp: one batch
+    sharded = train(NeMoAutoModelForCausalLM.from_pretrained(directory, distributed_setup=setup), rows)
     return reference, sharded
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_moe_training_matches_one_process(ranks2, strategy, tmp_path):
+@pytest.mark.parametrize(("strategy", "tp_size"), [("ddp", 1), ("fsdp2", 1), ("fsdp2", 2)], ids=["ddp", "fsdp2", "tp2"])
+def test_moe_training_matches_one_process(ranks2, strategy, tp_size, tmp_path):
     write_family_checkpoint("mixtral", tmp_path)
-    for reference, sharded in ranks2.run(case_moe_training, str(tmp_path), strategy):
+    for reference, sharded in ranks2.run(case_moe_training, str(tmp_path), strategy, tp_size):
         assert reference[-1] < reference[0]
         torch.testing.assert_close(torch.tensor(sharded), torch.tensor(reference), rtol=1e-5, atol=0)

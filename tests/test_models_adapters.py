@@ -113,7 +113,7 @@ def _hf_keys(arch: str, config) -> set[str]:
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_adapter_round_trip_uses_transformers_keys(arch, tied):
     config = tiny_config(arch, tied=tied)
-    adapter = SPECS[arch].adapter(config)
+    adapter = SPECS[arch].state_dict_adapter(config)
     ours = _our_state_dict(arch, config)
     hf = adapter.to_hf(ours)
     assert set(hf) == _hf_keys(arch, config)
@@ -127,7 +127,7 @@ def test_adapter_round_trip_uses_transformers_keys(arch, tied):
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_hf_sources_agree_with_from_hf_on_random_row_ranges(arch):
     config = tiny_config(arch, kv_heads=2, tied=True)
-    adapter = SPECS[arch].adapter(config)
+    adapter = SPECS[arch].state_dict_adapter(config)
     ours = _our_state_dict(arch, config)
     hf = adapter.to_hf(ours)
     full = adapter.from_hf(hf)
@@ -148,7 +148,7 @@ def test_hf_sources_agree_with_from_hf_on_random_row_ranges(arch):
 
 
 def test_hf_keys_name_the_parts_of_fused_and_tied_keys():
-    adapter = llama.SPEC.adapter(tiny_config("llama", tied=True))
+    adapter = llama.SPEC.state_dict_adapter(tiny_config("llama", tied=True))
     assert adapter.hf_keys("model.layers.1.self_attn.qkv_proj.bias") == [
         "model.layers.1.self_attn.q_proj.bias",
         "model.layers.1.self_attn.k_proj.bias",
@@ -163,7 +163,7 @@ def test_hf_keys_name_the_parts_of_fused_and_tied_keys():
 
 def test_adapter_errors_name_the_key():
     config = tiny_config("llama")
-    adapter = llama.SPEC.adapter(config)
+    adapter = llama.SPEC.state_dict_adapter(config)
     hf = adapter.to_hf(_our_state_dict("llama", config))
     without_k = {key: value for key, value in hf.items() if key != "model.layers.0.self_attn.k_proj.weight"}
     with pytest.raises(CheckpointKeyError, match=re.escape("model.layers.0.self_attn.k_proj.weight")):
