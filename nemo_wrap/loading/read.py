@@ -42,9 +42,10 @@ def read_into_model(
     provenance: dict[str, Provenance] = {}
     used: set[str] = set()
     copy_block = checkpoint_copier(checkpoint, reader)
+    shapes = checkpoint_shapes(checkpoint)
     with torch.no_grad():
         for name, tensor in distinct.items():
-            found = provenance[name] = _read_one(name, tensor, adapter, transform, checkpoint, copy_block)
+            found = provenance[name] = _read_one(name, tensor, adapter, transform, checkpoint, shapes, copy_block)
             if isinstance(found, Loaded):
                 used.update(found.keys)
     for target, source in tied.items():
@@ -72,12 +73,12 @@ def _read_one(
     adapter: StateDictAdapter,
     transform: str,
     checkpoint: Checkpoint,
+    shapes: dict[str, tuple[int, ...]],
     copy_block: CopyBlock,
 ) -> Provenance:
     geometry = shard_geometry(tensor, name)
     blocks = adapter.blocks(name, geometry.global_shape)
     keys = tuple(dict.fromkeys(block.hf_key for block in blocks))
-    shapes = checkpoint_shapes(checkpoint)
     if not keys or any(key not in shapes for key in keys):
         return Missing(adapter.expected_keys(name))
     check_blocks(name, geometry.global_shape, blocks, shapes, checkpoint)
