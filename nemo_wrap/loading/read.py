@@ -154,9 +154,7 @@ def fill_from_blocks(
     if geometry.is_empty:
         return
     for block in blocks:
-        per_dim = [
-            _runs(*_intersect(index, window)) for index, window in zip(geometry.dim_indices, block.target, strict=True)
-        ]
+        per_dim = [_dim_runs(index, window) for index, window in zip(geometry.dim_indices, block.target, strict=True)]
         for combination in itertools.product(*per_dim):
             destination = tuple(slice(l0, l0 + step * (n - 1) + 1, step) for l0, step, _, n in combination)
             offsets = tuple(slice(o0, o0 + n) for _, _, o0, n in combination)
@@ -167,6 +165,20 @@ def fill_from_blocks(
                 slice(w.start + o.start, w.start + o.stop) for o, w in zip(offsets, block.source, strict=True)
             )
             copy_block(block.hf_key, source, out)
+
+
+def _dim_runs(index: torch.Tensor, window: slice) -> list[tuple[int, int, int, int]]:
+    """The runs (see :func:`_runs`) of one dimension's local indices inside ``window``.
+
+    Shard index lists are increasing, so a list whose span equals its length is one contiguous
+    range: the common case (plain tensors, ``Shard``) takes no tensor operation.
+    """
+    count = index.numel()
+    if (window.step or 1) == 1 and count and int(index[-1]) - int(index[0]) + 1 == count:
+        first = int(index[0])
+        start, stop = max(first, window.start), min(first + count, window.stop)
+        return [(start - first, 1, start - window.start, stop - start)] if start < stop else []
+    return _runs(*_intersect(index, window))
 
 
 def _intersect(index: torch.Tensor, window: slice) -> tuple[torch.Tensor, torch.Tensor]:
