@@ -211,3 +211,21 @@ def test_moe_training_matches_one_process(ranks2, strategy, tp_size, tmp_path):
     for reference, sharded in ranks2.run(case_moe_training, str(tmp_path), strategy, tp_size):
         assert reference[-1] < reference[0]
         torch.testing.assert_close(torch.tensor(sharded), torch.tensor(reference), rtol=1e-5, atol=0)
+
+
+# -- FSDP over tensor parallel (2 x 2) -------------------------------------------------------------
+def case_two_by_two(directory: str) -> dict:
+    setup = DistributedSetup.build("fsdp2", 4, tp_size=2)
+    model = NeMoAutoModelForCausalLM.from_pretrained(directory, distributed_setup=setup, verify=True).eval()
+    with torch.no_grad():
+        return {"logits": model(tokens()).logits, "verified": model.load_report.verified}
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_fsdp2_over_tensor_parallel_on_four_ranks(ranks4, family, tmp_path):
+    """Norms and routers live on the dp sub-mesh, replicated over tp: verify counts each piece once."""
+    write_family_checkpoint(family, tmp_path)
+    expected = _transformers_logits(tmp_path)
+    for result in ranks4.run(case_two_by_two, str(tmp_path)):
+        assert result["verified"] is True
+        torch.testing.assert_close(result["logits"], expected, atol=ATOL, rtol=0)

@@ -46,9 +46,19 @@ def _checksum(values: torch.Tensor, geometry: ShardGeometry) -> int:
 
 
 def _owns_distinct_piece(tensor: DTensor) -> bool:
-    coordinate = tensor.device_mesh.get_coordinate()
-    return coordinate is not None and all(
-        coordinate[d] == 0 for d, p in enumerate(tensor.placements) if isinstance(p, Replicate)
+    """Whether this rank's shard is counted: one copy of every distinct piece, across all ranks.
+
+    Copies come from ``Replicate`` dims of the tensor's mesh, and from meshes that are sub-meshes of
+    the world: under FSDP over tensor parallel, norms live on the ``dp`` sub-mesh, and every ``tp``
+    position holds the same shards on a parallel sub-mesh. Of those parallel sub-meshes, exactly one
+    holds global rank 0; it is the one counted.
+    """
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
+    return (
+        coordinate is not None
+        and bool((mesh.mesh == 0).any())
+        and all(coordinate[d] == 0 for d, p in enumerate(tensor.placements) if isinstance(p, Replicate))
     )
 
 
