@@ -171,6 +171,27 @@ def test_pickle_only_refused_unless_allowed(copy):
     assert model.load_report.counts()["checkpoint"] == len(tensors)
 
 
+def test_a_misspelt_keyword_raises_instead_of_vanishing(copy):
+    from nemo_wrap import InvalidSetupError
+
+    with pytest.raises(InvalidSetupError, match=r"unknown keyword argument\(s\) \['strit'\].*LlamaConfig"):
+        _load(copy, strit=False)
+    assert _load(copy, use_cache=False).config.use_cache is False  # a real config attribute overrides
+
+
+def test_pickle_index_shard_escaping_the_directory(copy):
+    """The pickle index gets the path check of the safetensors index, before anything is unpickled."""
+    import json
+
+    tensors = load_file(copy / "model.safetensors")
+    (copy / "model.safetensors").unlink()
+    torch.save(tensors, copy.parent / "outside.bin")
+    weight_map = dict.fromkeys(tensors, "../outside.bin")
+    (copy / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(UnsafeCheckpointError, match=r"pytorch_model.bin.index.json: shard '../outside.bin'.*escapes"):
+        _load(copy, allow_pickle=True)
+
+
 def test_every_error_shares_one_base_class():
     for error in (CheckpointNotFoundError, CorruptCheckpointError, MissingWeightsError, RemoteRankError,
                   ShapeMismatchError, UnexpectedKeysError, UnsafeCheckpointError, UnsupportedModelError):

@@ -102,6 +102,17 @@ def test_plan_of_a_megatron_fsdp_job_prints_on_a_cpu_machine(cache, capsys):
     assert not dist.is_initialized()
 
 
+def test_plan_exits_2_where_the_load_would_refuse(tmp_path, capsys):
+    from tests.tiny_models import tiny_config
+
+    config = tiny_config("llama", num_attention_heads=9, num_key_value_heads=3, hidden_size=72)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as excinfo:
+        main(["plan", str(tmp_path), "--nproc", "8", "--tp-size", "2"])
+    assert excinfo.value.code == 2
+    assert "num_key_value_heads=3" in capsys.readouterr().err
+
+
 def test_report_lists_every_tensor_and_verifies(cache, capsys):
     assert main(["report", "--strategy", "ddp"]) == 0
     out = capsys.readouterr().out

@@ -69,3 +69,29 @@ def test_plan_of_a_checkpoint_reads_no_weights(tmp_path):
     assert plan.model_class == "NeMoLlamaForCausalLM" and not plan.is_custom
     config_plan = NeMoAutoModelForCausalLM.plan(tiny_config("llama"))
     assert not config_plan.has_checkpoint and config_plan.checkpoint_reads == 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "overrides", "tp", "named"),
+    [
+        ("llama", dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=72), 2, "num_key_value_heads=3"),
+        ("own-llama", dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=72), 2, "num_key_value_heads=3"),
+        ("qwen2", dict(num_key_value_heads=2), 4, "num_key_value_heads=2, tp_size=4"),
+        ("llama", dict(num_key_value_heads=4, intermediate_size=130), 4, "intermediate_size=130"),
+        ("gpt2", {}, 2, "no tensor-parallel plan"),
+    ],
+    ids=["kv3-tp2", "own-kv3-tp2", "kv2-tp4", "intermediate130-tp4", "gpt2-no-plan"],
+)
+def test_plan_refuses_what_the_load_refuses_with_the_same_error(tmp_path, kind, overrides, tp, named):
+    """The dry run and the load share one check; nothing is read, no process group is needed."""
+    from transformers import AutoModelForCausalLM
+
+    from nemo_wrap import ShardingError
+
+    AutoModelForCausalLM.from_config(tiny_config(kind, **overrides)).save_pretrained(tmp_path)
+    setup = DistributedSetup.build("fsdp2", 2 * tp, tp_size=tp)
+    with pytest.raises(ShardingError, match=named) as planned:
+        NeMoAutoModelForCausalLM.plan(tmp_path, distributed_setup=setup)
+    with pytest.raises(ShardingError) as loaded:
+        NeMoAutoModelForCausalLM.from_pretrained(tmp_path, distributed_setup=setup)
+    assert str(planned.value) == str(loaded.value)

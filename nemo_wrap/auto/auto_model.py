@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from nemo_wrap.auto.classes import loadable_class
-from nemo_wrap.auto.pipeline import LoadPipeline
+from nemo_wrap.auto.pipeline import LoadPipeline, check_loadable
 from nemo_wrap.checkpoint.locate import Checkpoint, open_checkpoint, resolve_checkpoint_directory
 from nemo_wrap.distributed.collectives import on_every_rank
 from nemo_wrap.distributed.setup import DistributedSetup
@@ -37,12 +37,18 @@ class NeMoAutoModelForCausalLM:
         distributed_setup: DistributedSetup | None = None,
         force_hf: bool = False,
     ) -> LoadPlan:
-        """The load plan for a checkpoint directory (or a config: no checkpoint), reading no weights."""
+        """The load plan for a checkpoint directory (or a config: no checkpoint), reading no weights.
+
+        Raises what ``from_pretrained`` / ``from_config`` would raise before reading weights (tensor
+        parallel the model cannot take, checkpoint keys that cannot be mapped), with the same error.
+        """
         if isinstance(path_or_config, PretrainedConfig):
             config, has_checkpoint = path_or_config, False
         else:
             config, has_checkpoint = _load_config(resolve_checkpoint_directory(path_or_config), {}), True
-        return _make_plan(resolve_model_source(config, force_hf), config, distributed_setup, has_checkpoint)
+        source = resolve_model_source(config, force_hf)
+        check_loadable(source, config, distributed_setup, has_checkpoint)  # the load's own refusals
+        return _make_plan(source, config, distributed_setup, has_checkpoint)
 
     @classmethod
     def model_class(cls, config: PretrainedConfig, force_hf: bool = False) -> type[PreTrainedModel]:
@@ -119,12 +125,22 @@ def _open(path: str | Path, allow_pickle: bool, overrides: dict[str, Any]) -> tu
 
 
 def _load_config(directory: Path, overrides: dict[str, Any]) -> PretrainedConfig:
+    """The checkpoint's config with ``overrides`` applied; a keyword that is no config attribute
+    (a misspelt argument, say) raises instead of vanishing."""
     if not (directory / "config.json").is_file():
         raise CheckpointNotFoundError(f"{directory}: no config.json")
     try:
-        return AutoConfig.from_pretrained(directory, trust_remote_code=False, **overrides)
+        config, unused = AutoConfig.from_pretrained(
+            directory, trust_remote_code=False, return_unused_kwargs=True, **overrides
+        )
     except ValueError as error:
         raise UnsupportedModelError(f"{directory / 'config.json'}: {error}") from error
+    if unused:
+        raise InvalidSetupError(
+            f"from_pretrained: unknown keyword argument(s) {sorted(unused)}: neither an argument of "
+            f"from_pretrained nor an attribute of {type(config).__name__} ({directory / 'config.json'})"
+        )
+    return config
 
 
 def _resolve_dtype(

@@ -69,14 +69,9 @@ class LoadPipeline:
 
     def check_preconditions(self) -> None:
         """Local checks every rank makes alike, before any allocation or collective."""
-        if self.checkpoint is not None:
-            self.source.spec.check_checkpoint_keys(self.source.architecture, self.config.model_type)
-        if self.setup is None:
-            return
-        self.setup.entry.check_available()
-        if self.setup.uses_tensor_parallel:
-            self.tp_plan = self.source.spec.parallel_plan()
-        check_tensor_parallel_supported(self.tp_plan, self.config, self.setup.tp_size, self.source.model_class.__name__)
+        if self.setup is not None:
+            self.setup.entry.check_available()
+        self.tp_plan = check_loadable(self.source, self.config, self.setup, self.checkpoint is not None)
 
     def build_on_meta(self) -> None:
         self.model = build_on_meta(loadable_class(self.source), self.config, self.dtype)
@@ -150,6 +145,24 @@ class LoadPipeline:
                 f"{where}: {len(report.unexpected_keys)} checkpoint tensor(s) fill no parameter of "
                 f"{self.plan.model_class} (pass strict=False to ignore them): {', '.join(report.unexpected_keys)}"
             )
+
+
+def check_loadable(
+    source: ModelSource, config: PretrainedConfig, setup: DistributedSetup | None, has_checkpoint: bool
+) -> TensorParallelPlan | None:
+    """What a load would refuse before reading any weight, and the tensor-parallel plan it would apply.
+
+    Pure and local: ``plan()`` runs it too, so a dry run refuses exactly what the load refuses, with
+    the same error. (Whether the strategy can run on this machine is the load's check alone: a plan
+    may describe a job for another machine.)
+    """
+    if has_checkpoint:
+        source.spec.check_checkpoint_keys(source.architecture, config.model_type)
+    if setup is None or not setup.uses_tensor_parallel:
+        return None
+    plan = source.spec.parallel_plan()
+    check_tensor_parallel_supported(plan, config, setup.tp_size, source.model_class.__name__)
+    return plan
 
 
 def build_on_meta(model_class: type[PreTrainedModel], config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:

@@ -92,8 +92,8 @@ def open_checkpoint(directory: Path, allow_pickle: bool = False) -> Checkpoint:
     raise CheckpointNotFoundError(f"{directory}: no weight files (expected {SINGLE_FILE} or {INDEX_FILE})")
 
 
-def _entries_from_index(directory: Path) -> dict[str, TensorEntry]:
-    index_path = directory / INDEX_FILE
+def _weight_map(index_path: Path) -> dict[str, str]:
+    """An index file's key → shard file map, validated as JSON of the right shape."""
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError) as error:
@@ -102,21 +102,31 @@ def _entries_from_index(directory: Path) -> dict[str, TensorEntry]:
         ) from None
     if not isinstance(weight_map, dict):
         raise CorruptCheckpointError(f"{index_path}: 'weight_map' is not an object")
-    root = directory.resolve()
+    return weight_map
+
+
+def _shard_path(index_path: Path, file_name: object, key: str) -> Path:
+    """The shard an index names for ``key``: inside the checkpoint directory, and existing."""
+    root = index_path.parent.resolve()
+    shard = (index_path.parent / str(file_name)).resolve()
+    if root not in shard.parents:
+        raise UnsafeCheckpointError(
+            f"{index_path}: shard {file_name!r} of key {key!r} escapes the checkpoint directory"
+        )
+    if not shard.is_file():
+        raise CheckpointNotFoundError(
+            f"{index_path}: names shard {file_name!r} (for key {key!r}), which does not exist"
+        )
+    return shard
+
+
+def _entries_from_index(directory: Path) -> dict[str, TensorEntry]:
+    index_path = directory / INDEX_FILE
     headers: dict[str, dict[str, TensorEntry]] = {}
     entries = {}
-    for key, file_name in weight_map.items():
-        shard = (directory / str(file_name)).resolve()
-        if root not in shard.parents:
-            raise UnsafeCheckpointError(
-                f"{index_path}: shard {file_name!r} of key {key!r} escapes the checkpoint directory"
-            )
+    for key, file_name in _weight_map(index_path).items():
         if file_name not in headers:
-            if not shard.is_file():
-                raise CheckpointNotFoundError(
-                    f"{index_path}: names shard {file_name!r} (for key {key!r}), which does not exist"
-                )
-            headers[file_name] = read_header(shard)
+            headers[file_name] = read_header(_shard_path(index_path, file_name, key))
         if key not in headers[file_name]:
             raise CorruptCheckpointError(f"{index_path}: key {key!r} is mapped to {file_name}, which does not hold it")
         entries[key] = headers[file_name][key]
@@ -125,8 +135,8 @@ def _entries_from_index(directory: Path) -> dict[str, TensorEntry]:
 
 def _load_pickles(directory: Path, first: Path) -> dict[str, torch.Tensor]:
     if first.name.endswith(".index.json"):
-        files = sorted(set(json.loads(first.read_text())["weight_map"].values()))
-        paths = [directory / name for name in files]
+        shards = {file_name: _shard_path(first, file_name, key) for key, file_name in _weight_map(first).items()}
+        paths = [shards[name] for name in sorted(shards)]
     else:
         paths = [first]
     tensors: dict[str, torch.Tensor] = {}

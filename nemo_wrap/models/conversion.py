@@ -150,9 +150,7 @@ def describe_conversion(transforms: list[WeightTransform]) -> str:
     renamings = sum(isinstance(t, WeightRenaming) for t in transforms)
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     chains = sorted({"+".join(type(op).__name__ for op in c.operations) for c in converters})
-    text = f"transformers' conversion mapping ({renamings} renaming(s); converters: {', '.join(chains) or 'none'})"
-    unsupported = [c.target_patterns for c in converters if not _is_supported(c)]
-    return f"{text}; NOT SUPPORTED for {unsupported}: loading refuses" if unsupported else text
+    return f"transformers' conversion mapping ({renamings} renaming(s); converters: {', '.join(chains) or 'none'})"
 
 
 def _converted_blocks(group: _Group, shapes: Shapes) -> list[SourceBlock]:
