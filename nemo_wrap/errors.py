@@ -131,6 +131,11 @@ class CheckpointSaveError(NeMoWrapError, RuntimeError):
     """
 
 
+class UnsupportedSaveOptionError(NeMoWrapError, ValueError):
+    """A ``save_pretrained`` option transformers has but nemo_wrap cannot honour (pickle output,
+    pushing to the hub, variants, DCP output), or a keyword neither knows."""
+
+
 class InvalidShardSizeError(NeMoWrapError, ValueError):
     """``max_shard_size`` is neither a positive number of bytes nor a size such as ``"5GB"``."""
 

@@ -150,13 +150,29 @@ def test_save_replaces_an_existing_checkpoint(tmp_path):
     assert _staging_leftovers(tmp_path) == []
 
 
-def test_save_refuses_to_replace_a_directory_that_is_no_checkpoint(tmp_path):
-    (tmp_path / "outputs").mkdir()
-    (tmp_path / "outputs" / "notes.txt").write_text("keep me")
+def test_save_into_a_directory_with_other_contents_keeps_them(tmp_path):
+    """A trainer's output directory (notes, checkpoint-N/ folders): written into, nothing else lost."""
+    outputs = tmp_path / "outputs"
+    (outputs / "checkpoint-3").mkdir(parents=True)
+    (outputs / "checkpoint-3" / "optimizer.pt").write_text("keep me too")
+    (outputs / "notes.txt").write_text("keep me")
+    _build("hf", False, seed=1).save_pretrained(outputs, max_shard_size=SMALL_SHARDS)
+    model = _build("hf", False)
+    model.save_pretrained(outputs)  # one file now: the earlier shards and index must be gone
+    assert (outputs / "notes.txt").read_text() == "keep me"
+    assert (outputs / "checkpoint-3" / "optimizer.pt").read_text() == "keep me too"
+    assert sorted(p.name for p in outputs.glob("model*")) == ["model.safetensors"]
+    reloaded = AutoModelForCausalLM.from_pretrained(outputs)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+    assert [p.name for p in tmp_path.iterdir()] == ["outputs"]  # no staging leftovers
+
+
+def test_save_refuses_to_replace_a_file(tmp_path):
+    (tmp_path / "outputs").write_text("keep me")
     with pytest.raises(CheckpointSaveError):
         _build("hf", False).save_pretrained(tmp_path / "outputs")
-    assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
-    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["notes.txt"]
+    assert (tmp_path / "outputs").read_text() == "keep me"
 
 
 @pytest.mark.parametrize("size", [0, -5, "5XB", "GB", True, 1.5])

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from nemo_wrap.auto.classes import loadable_class
 from nemo_wrap.auto.pipeline import LoadPipeline, check_loadable
 from nemo_wrap.checkpoint.locate import Checkpoint, open_checkpoint, resolve_checkpoint_directory
-from nemo_wrap.distributed.collectives import on_every_rank
+from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import CheckpointNotFoundError, InvalidSetupError, UnsupportedModelError
 from nemo_wrap.loading.plan import LoadPlan, make_load_plan
@@ -70,14 +69,18 @@ class NeMoAutoModelForCausalLM:
     ) -> PreTrainedModel:
         """Load ``path`` (a checkpoint directory or hub id) sharded as ``distributed_setup`` says.
 
+        ``distributed_setup=None`` loads into this process alone and runs no collective, whatever
+        process group exists (so rank 0 may load a model by itself).
+
         ``dtype=None``/``"auto"`` keeps the checkpoint's dtype. ``strict`` (default) raises
         :class:`MissingWeightsError` / :class:`UnexpectedKeysError` on every rank instead of
         initializing what the checkpoint lacks. ``verify`` re-reads the checkpoint and compares
         per-tensor checksums with what every rank holds. ``seed`` seeds whatever is initialized.
         The result carries ``model.load_report``.
         """
-        config, checkpoint = on_every_rank(
-            "opening the checkpoint", lambda: _open(path, allow_pickle, config_overrides)
+        group = RankGroup.of(sharded=distributed_setup is not None)
+        config, checkpoint = group.on_every_rank(
+            "opening the checkpoint", lambda: _open(path, allow_pickle, config_overrides, group)
         )
         source = resolve_model_source(config, force_hf=force_hf)
         plan = _make_plan(source, config, distributed_setup, has_checkpoint=True)
@@ -119,8 +122,10 @@ def _make_plan(
     )
 
 
-def _open(path: str | Path, allow_pickle: bool, overrides: dict[str, Any]) -> tuple[PretrainedConfig, Checkpoint]:
-    directory = resolve_checkpoint_directory(path, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+def _open(
+    path: str | Path, allow_pickle: bool, overrides: dict[str, Any], group: RankGroup
+) -> tuple[PretrainedConfig, Checkpoint]:
+    directory = resolve_checkpoint_directory(path, group)
     return _load_config(directory, overrides), open_checkpoint(directory, allow_pickle=allow_pickle)
 
 

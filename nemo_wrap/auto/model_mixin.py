@@ -12,10 +12,17 @@ and live here rather than in the init mixin (which knows nothing of files or ran
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
 from nemo_wrap.checkpoint.save import DEFAULT_MAX_SHARD_SIZE, save_hf_checkpoint
+from nemo_wrap.distributed.collectives import RankGroup
+from nemo_wrap.errors import UnsupportedSaveOptionError
 from nemo_wrap.loading.provenance import LoadReport
 from nemo_wrap.models.spec import ModelSpec
 from nemo_wrap.state_dict import StateDictAdapter
@@ -39,22 +46,40 @@ class ShardedModelMixin:
     def save_pretrained(
         self,
         save_directory: str | Path,
+        is_main_process: bool = True,
+        state_dict: Mapping[str, torch.Tensor] | None = None,
+        push_to_hub: bool = False,
         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+        variant: str | None = None,
+        token: str | bool | None = None,
+        save_peft_format: bool = True,
+        save_original_format: bool = True,
+        distributed_checkpoint: bool = False,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        **kwargs: Any,
     ) -> None:
-        """Write a consolidated transformers checkpoint, from one process or every rank of a sharded job.
+        """Write a consolidated transformers checkpoint; transformers' signature, plus ``tokenizer``.
 
         transformers' own method cannot serve here: it names ``type(self)`` (``NeMo…``, ``FSDP…``)
         as the architecture, would write our fused keys, and on rank 0 alone under a process group
-        can hang the others. Under a process group of more than one rank, every rank must call it
-        (rank 0 writes); the tokenizer is written when given. See
+        can hang the others. A sharded model is saved by every rank together (rank 0 writes,
+        ``is_main_process`` is not needed); a process-local one by this process alone, or not at all
+        when ``is_main_process`` is false. ``state_dict`` is written instead of the model's tensors.
+        ``token`` and ``save_peft_format`` have nothing to act on here; options that cannot be
+        honoured raise :class:`UnsupportedSaveOptionError`. See
         :func:`nemo_wrap.checkpoint.save.save_hf_checkpoint`.
         """
+        _refuse_unsupported(push_to_hub, variant, save_original_format, distributed_checkpoint, kwargs)
+        group = RankGroup.of(sharded=_is_sharded(self))
+        if not group.collective and not is_main_process:
+            return
         save_hf_checkpoint(
             self,  # type: ignore[arg-type]
             save_directory,
             architecture=self.hf_architecture,
             adapter=self.state_dict_adapter(),
+            group=group,
+            state_dict=state_dict,
             max_shard_size=max_shard_size,
             tokenizer=tokenizer,
         )
@@ -72,3 +97,37 @@ class ShardedModelMixin:
         if setup is not None and setup.world_size > 1:
             kwargs.setdefault("synced_gpus", True)
         return super().generate(*args, **kwargs)  # type: ignore[misc]
+
+
+def _is_sharded(model: object) -> bool:
+    """Sharded by nemo_wrap, or holding DTensors (parallelized by the caller): saving is collective."""
+    if getattr(model, "nemo_distributed_setup", None) is not None:
+        return True
+    parameters = model.parameters() if isinstance(model, nn.Module) else ()
+    return any(isinstance(parameter, DTensor) for parameter in parameters)
+
+
+def _refuse_unsupported(
+    push_to_hub: bool, variant: str | None, save_original_format: bool, distributed_checkpoint: bool, kwargs: dict
+) -> None:
+    """Raise for transformers' options with no meaning here, naming each; accept the harmless ones."""
+    refused = {
+        "push_to_hub=True": "no hub upload here: push the saved directory with huggingface_hub",
+        "variant": "weights are written under transformers' default file names",
+        "save_original_format=False": "the saved checkpoint is always in transformers' original layout",
+        "distributed_checkpoint=True": "use nemo_wrap.save_checkpoint for a sharded, resumable checkpoint",
+        "safe_serialization=False": "only safetensors are written",
+        "save_function": "files are written by nemo_wrap's atomic writer",
+    }
+    given = {
+        "push_to_hub=True": push_to_hub,
+        "variant": variant is not None,
+        "save_original_format=False": not save_original_format,
+        "distributed_checkpoint=True": distributed_checkpoint,
+        "safe_serialization=False": kwargs.pop("safe_serialization", True) is False,
+        "save_function": kwargs.pop("save_function", None) is not None,
+    }
+    problems = [f"{option} ({refused[option]})" for option, present in given.items() if present]
+    problems += [f"{name} (not a save_pretrained argument)" for name in sorted(kwargs)]
+    if problems:
+        raise UnsupportedSaveOptionError(f"save_pretrained: cannot honour {'; '.join(problems)}")

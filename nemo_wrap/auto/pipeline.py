@@ -19,7 +19,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from nemo_wrap.auto.classes import loadable_class
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
-from nemo_wrap.distributed.collectives import collective_device, is_rank_zero, on_every_rank
+from nemo_wrap.distributed.collectives import RankGroup, collective_device
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.distributed.sharding import shard_model
 from nemo_wrap.distributed.tensor_parallel import TensorParallelPlan, check_tensor_parallel_supported
@@ -52,6 +52,11 @@ class LoadPipeline:
     used_keys: set[str] = field(default_factory=set)
     bytes_read: int = 0
     tp_plan: TensorParallelPlan | None = None
+
+    @property
+    def group(self) -> RankGroup:
+        """Who loads together: every rank for a sharded model, this process alone without a setup."""
+        return RankGroup.of(sharded=self.setup is not None)
 
     def run(self) -> PreTrainedModel:
         self.check_preconditions()
@@ -93,7 +98,7 @@ class LoadPipeline:
                 provenance, used = read_into_model(self.model, checkpoint, reader, adapter)
                 return provenance, used, sum(reader.bytes_read.values())
 
-        self.provenance, self.used_keys, self.bytes_read = on_every_rank("reading the checkpoint", read)
+        self.provenance, self.used_keys, self.bytes_read = self.group.on_every_rank("reading the checkpoint", read)
 
     def initialize_rest(self) -> None:
         loaded = {name for name, p in self.provenance.items() if p.kind in ("checkpoint", "tied")}
@@ -119,10 +124,10 @@ class LoadPipeline:
         if self.verify and self.checkpoint is not None:
             distinct, _ = checkpoint_tensors(self.model)
             adapter = self.source.spec.adapter(self.model, checkpoint_shapes(self.checkpoint))
-            verify_load(distinct, self.provenance, adapter, self.checkpoint)
+            verify_load(distinct, self.provenance, adapter, self.checkpoint, self.group)
             report.verified = True
         self._raise_if_incomplete(report)
-        if is_rank_zero():
+        if self.group.is_writer:
             logger.info("%s", report.summary())
 
     def _unexpected_keys(self) -> tuple[str, ...]:

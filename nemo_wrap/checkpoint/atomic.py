@@ -4,12 +4,17 @@ A save killed mid-write (OOM killer, preemption, SIGKILL) must not leave a half-
 where the next ``from_pretrained`` or resume would take it for a checkpoint, nor destroy the
 checkpoint it was replacing. So the new checkpoint is written into a hidden sibling
 (``.{name}.tmp-<random>``, same filesystem, so renames are metadata operations), every file and the
-directory are fsynced, and only then is it swapped in.
+directory are fsynced, and only then is it put in place:
 
-``os.rename`` cannot replace a non-empty directory, so the swap is two renames: the existing
-checkpoint aside (``.{name}.old-<random>``), the new one in, then the old one deleted. A crash in
-the instant between the two renames leaves no directory at the target and the previous checkpoint
-whole under its ``.old-`` name; a failing second rename puts the old one back.
+- into a missing or empty directory, or over a directory that holds a previous checkpoint and
+  nothing else, by swapping whole directories: two renames, the existing one aside
+  (``.{name}.old-<random>``), the new one in, then the old one deleted. A crash between the two
+  renames leaves the previous checkpoint whole under its ``.old-`` name; a failing second rename
+  puts the old one back.
+- into a directory that holds other things as well (a trainer's ``checkpoint-N/`` folders, notes),
+  file by file, as transformers does: the previous checkpoint's weight files are removed, the new
+  files moved in (each ``os.replace`` atomic), everything else left where it is. A crash in that
+  short final step can leave old and new files side by side.
 """
 
 from __future__ import annotations
@@ -17,23 +22,23 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+from fnmatch import fnmatch
 from pathlib import Path
 
 from nemo_wrap.errors import CheckpointSaveError
 
+# Files of a previous save that a new one supersedes (weights, their index, DCP's shards).
+_WEIGHT_FILES = ("model*.safetensors", "model.safetensors.index.json", "*.distcp", ".metadata")
 
-def stage_directory(target: Path, marker: str) -> Path:
+
+def stage_directory(target: Path) -> Path:
     """Create and return an empty hidden sibling of ``target`` to write the new checkpoint into.
 
-    The parent of ``target`` is created if needed. The swap replaces ``target`` as a whole, so an
-    existing ``target`` must be a checkpoint of this kind (holding the file ``marker``) or empty:
-    anything else (a file, a directory of other files) raises :class:`CheckpointSaveError`
-    instead of being deleted.
+    The parent of ``target`` is created if needed; an existing ``target`` that is not a directory
+    raises :class:`CheckpointSaveError` instead of being replaced.
     """
-    if target.exists() and not (target.is_dir() and ((target / marker).exists() or not any(target.iterdir()))):
-        raise CheckpointSaveError(
-            f"{target}: exists and is neither empty nor a checkpoint (no {marker}); refusing to replace it"
-        )
+    if target.exists() and not target.is_dir():
+        raise CheckpointSaveError(f"{target}: exists and is not a directory; refusing to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)
     staged = target.parent / f".{target.name}.tmp-{secrets.token_hex(6)}"
     staged.mkdir()
@@ -41,12 +46,23 @@ def stage_directory(target: Path, marker: str) -> Path:
 
 
 def replace_directory(staged: Path, target: Path) -> None:
-    """Make the fully written ``staged`` directory durable and move it to ``target``.
-
-    An existing ``target`` is moved aside first and deleted only once the new directory is in
-    place; if moving the new one in fails, the old one is moved back.
-    """
+    """Make the fully written ``staged`` directory durable and put its files at ``target``."""
     _fsync_tree(staged)
+    if not target.exists() or _holds_only_a_checkpoint(target, {p.name for p in staged.iterdir()}):
+        _swap(staged, target)
+    else:
+        _merge(staged, target)
+
+
+def _holds_only_a_checkpoint(target: Path, new_files: set[str]) -> bool:
+    return all(
+        entry.is_file() and (entry.name in new_files or any(fnmatch(entry.name, p) for p in _WEIGHT_FILES))
+        for entry in target.iterdir()
+    )
+
+
+def _swap(staged: Path, target: Path) -> None:
+    """Replace ``target`` by ``staged`` as a whole; the old one is deleted once the new one is in."""
     previous = None
     if target.exists():
         previous = target.parent / f".{target.name}.old-{secrets.token_hex(6)}"
@@ -60,6 +76,18 @@ def replace_directory(staged: Path, target: Path) -> None:
     _fsync(target.parent)
     if previous is not None:
         shutil.rmtree(previous)
+
+
+def _merge(staged: Path, target: Path) -> None:
+    """Move ``staged``'s files into ``target``, dropping its stale weight files, keeping the rest."""
+    new_files = {p.name for p in staged.iterdir()}
+    for entry in target.iterdir():
+        if entry.is_file() and entry.name not in new_files and any(fnmatch(entry.name, p) for p in _WEIGHT_FILES):
+            entry.unlink()
+    for name in sorted(new_files):
+        os.replace(staged / name, target / name)
+    _fsync(target)
+    staged.rmdir()
 
 
 def save_failed(target: Path, description: str) -> CheckpointSaveError:

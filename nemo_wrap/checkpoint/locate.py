@@ -8,6 +8,7 @@ error naming the path, file or key; callers run this on every rank, so all ranks
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -15,7 +16,7 @@ from typing import cast
 import torch
 
 from nemo_wrap.checkpoint.safetensors_file import TensorEntry, read_header
-from nemo_wrap.distributed.collectives import is_multi_rank
+from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -36,8 +37,12 @@ class Checkpoint:
     pickle_tensors: dict[str, torch.Tensor] | None = None  # only for explicitly allowed .bin files
 
 
-def resolve_checkpoint_directory(path_or_id: str | Path, local_rank: int = 0) -> Path:
-    """A local directory as is; otherwise a hub id fetched (or found) in the huggingface cache."""
+def resolve_checkpoint_directory(path_or_id: str | Path, group: RankGroup | None = None) -> Path:
+    """A local directory as is; otherwise a hub id fetched (or found) in the huggingface cache.
+
+    In a collective ``group`` the local rank 0 of each node downloads while the others wait; a
+    process on its own (the default) fetches for itself.
+    """
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         return path
@@ -46,16 +51,17 @@ def resolve_checkpoint_directory(path_or_id: str | Path, local_rank: int = 0) ->
     text = str(path_or_id)
     if text.count("/") != 1 or text.startswith((".", "/", "~")):
         raise CheckpointNotFoundError(f"{path_or_id}: no such directory (and not a hub id of the form 'org/name')")
-    return _from_hub_cache(text, local_rank)
+    return _from_hub_cache(text, group or RankGroup.local())
 
 
-def _from_hub_cache(repo_id: str, local_rank: int) -> Path:
+def _from_hub_cache(repo_id: str, group: RankGroup) -> Path:
     import torch.distributed as dist
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]
-    distributed = is_multi_rank()
+    distributed = group.collective
+    local_rank = int(os.environ.get("LOCAL_RANK", 0)) if distributed else 0
     error: Exception | None = None
     directory: str | None = None
     if local_rank == 0:

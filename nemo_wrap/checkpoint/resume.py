@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from nemo_wrap.checkpoint.atomic import discard, replace_directory, save_failed, stage_directory
-from nemo_wrap.distributed.collectives import is_rank_zero, on_rank_zero
+from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.errors import CheckpointNotFoundError
 
 _METADATA_FILE = ".metadata"  # written by DCP's file writer once every rank's data is in
@@ -39,22 +39,21 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.op
     write; the previous checkpoint at ``directory`` then stays in place.
     """
     target = Path(directory).absolute()
+    group = RankGroup.job()  # DCP is collective over the job
     failure = partial(save_failed, target)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(step, dtype=torch.int64)}
-    staged = on_rank_zero(
-        "creating the staging directory", lambda: stage_directory(target, marker=_METADATA_FILE), failure
-    )
+    staged = group.on_rank_zero("creating the staging directory", lambda: stage_directory(target), failure)
     done = False
     try:
         try:
             dcp.save(state, checkpoint_id=staged)
         except CheckpointException as error:  # raised on every rank when any rank failed
             raise failure(f"writing the sharded state failed: {error}") from error
-        on_rank_zero("moving the checkpoint into place", lambda: replace_directory(staged, target), failure)
+        group.on_rank_zero("moving the checkpoint into place", lambda: replace_directory(staged, target), failure)
         done = True
     finally:
-        if is_rank_zero() and not done:
+        if group.is_writer and not done:
             discard(staged)
 
 

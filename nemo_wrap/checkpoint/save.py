@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from nemo_wrap.checkpoint.atomic import discard, replace_directory, save_failed, stage_directory
 from nemo_wrap.checkpoint.locate import INDEX_FILE, SINGLE_FILE
-from nemo_wrap.distributed.collectives import is_rank_zero, on_rank_zero
+from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.errors import CheckpointSaveError, InvalidShardSizeError
 from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors
 
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' default
-_CONFIG_FILE = "config.json"  # an existing directory holding one is a checkpoint we may replace
 _UNITS = {
     "": 1,
     "B": 1,
@@ -59,33 +58,35 @@ def save_hf_checkpoint(
     save_directory: str | Path,
     architecture: str,
     adapter: StateDictAdapter,
+    group: RankGroup,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> None:
     """Write ``model`` as one transformers checkpoint at ``save_directory``, replacing what is there.
 
     ``architecture`` is the transformers class name written to ``config.json``; ``adapter`` turns
-    the model's tensors into transformers' keys. Under a process group of more than one rank every
-    rank must call it, sharded model or not (tensors are gathered collectively and rank 0's outcome
-    is broadcast); rank 0 writes. ``max_shard_size`` is bytes or a size like ``"5GB"``/``"500MiB"``;
+    the model's tensors into transformers' keys. In a collective ``group`` (a sharded model) every
+    rank must call it (tensors are gathered collectively and rank 0's outcome is broadcast) and
+    rank 0 writes; a process-local group writes here, with no collective. ``state_dict`` (the
+    model's parameter names) is written instead of the model's own tensors when given.
+    ``max_shard_size`` is bytes or a size like ``"5GB"``/``"500MiB"``;
     a tensor larger than it gets a file of its own. Raises :class:`CheckpointSaveError` on every
     rank if writing fails; the previous checkpoint at ``save_directory`` then stays in place.
     """
     target = Path(save_directory).absolute()
     limit = _parse_size(max_shard_size)
-    tensors, _ = checkpoint_tensors(model)  # tie targets omitted, as transformers does
+    tensors = _tensors_to_write(model, state_dict)
     failure = partial(save_failed, target)
-    staged = on_rank_zero(
-        "creating the staging directory", lambda: stage_directory(target, marker=_CONFIG_FILE), failure
-    )
+    staged = group.on_rank_zero("creating the staging directory", lambda: stage_directory(target), failure)
     done = False
     try:
-        index = _write_files(tensors, _plan_files(tensors, limit), _hf_keys_converter(adapter), staged, failure)
+        index = _write_files(tensors, _plan_files(tensors, limit), _hf_keys_converter(adapter), staged, group, failure)
         finish = partial(_finish, model, architecture, tensors, tokenizer, staged, target, index)
-        on_rank_zero("writing the config and finishing", finish, failure)
+        group.on_rank_zero("writing the config and finishing", finish, failure)
         done = True
     finally:
-        if is_rank_zero() and not done:
+        if group.is_writer and not done:
             discard(staged)
 
 
@@ -94,6 +95,7 @@ def _write_files(
     files: dict[str, list[str]],
     to_hf: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
     staged: Path,
+    group: RankGroup,
     failure: Callable[[str], CheckpointSaveError],
 ) -> dict[str, Any] | None:
     """Gather and write one file's worth of tensors at a time; the index when there are several files."""
@@ -103,15 +105,33 @@ def _write_files(
         shard: dict[str, torch.Tensor] = {}
         for name in names:  # same order on every rank: each full_tensor() is a collective
             full = _gather(tensors[name])
-            if is_rank_zero():
+            if group.is_writer:
                 shard.update(to_hf(name, full))
         weight_map.update(dict.fromkeys(shard, filename))
         total_size += sum(t.numel() * t.element_size() for t in shard.values())
-        on_rank_zero(f"writing {filename}", partial(save_file, shard, staged / filename, {"format": "pt"}), failure)
+        group.on_rank_zero(
+            f"writing {filename}", partial(save_file, shard, staged / filename, {"format": "pt"}), failure
+        )
         del shard
     if len(files) == 1:
         return None
     return {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+
+
+def _tensors_to_write(model: PreTrainedModel, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The model's distinct tensors (tie targets omitted, as transformers does), or the same names
+    taken from a given ``state_dict``, which must hold every one of them and nothing unknown."""
+    distinct, tied = checkpoint_tensors(model)
+    if state_dict is None:
+        return distinct
+    missing = sorted(set(distinct) - set(state_dict))
+    unknown = sorted(set(state_dict) - set(distinct) - set(tied))
+    if missing or unknown:
+        raise CheckpointSaveError(
+            f"save_pretrained(state_dict=...): the state dict lacks {missing[:5]} and has unknown keys "
+            f"{unknown[:5]} for {type(model).__name__}"
+        )
+    return {name: state_dict[name] for name in distinct}
 
 
 def _parse_size(size: int | str) -> int:

@@ -40,7 +40,7 @@ def default_model_path(root: str | Path | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f"{DEFAULT_MODEL_NAME}.lock")):
         if not target.is_dir():  # another process may have built it while we waited
-            staged = stage_directory(target, marker="config.json")
+            staged = stage_directory(target)
             try:
                 write_default_model(staged)
                 replace_directory(staged, target)

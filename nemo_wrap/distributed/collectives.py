@@ -8,6 +8,7 @@ raise — the failing rank with its own error, the others with an error that poi
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -23,11 +24,6 @@ def is_multi_rank() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def is_rank_zero() -> bool:
-    """Rank 0 of a multi-rank job, or the only process."""
-    return not is_multi_rank() or dist.get_rank() == 0
-
-
 def collective_device() -> torch.device:
     """Where small tensors for collectives live: the current CUDA device under NCCL, else the CPU."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
@@ -35,44 +31,74 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def on_every_rank(what: str, action: Callable[[], T]) -> T:
-    """Run ``action`` on every rank; if it fails anywhere, fail everywhere.
+@dataclass(frozen=True)
+class RankGroup:
+    """Who takes part in a step: every rank of the job together, or this process alone.
 
-    A failing rank re-raises its own error; the others raise :class:`RemoteRankError`. Costs one
-    small all-reduce, and only when more than one rank exists.
+    A model loaded without a ``DistributedSetup`` is process-local: loading, saving and verifying it
+    run no collective, whatever process group exists — the rank-0 idiom (one rank loads, evaluates
+    and saves while the others wait elsewhere) must not hang. A sharded model's steps are collective.
     """
-    error: Exception | None = None
-    result = None
-    try:
-        result = action()
-    except Exception as caught:  # re-raised below, unchanged
-        error = caught
-    if is_multi_rank():
-        failed = torch.tensor([0 if error is None else 1], device=collective_device())
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item() and error is None:
-            raise RemoteRankError(f"another rank failed while {what}; its error is in that rank's output")
-    if error is not None:
-        raise error
-    return result  # type: ignore[return-value]
 
+    collective: bool
 
-def on_rank_zero(what: str, action: Callable[[], T], failure: Callable[[str], NeMoWrapError]) -> T:
-    """Run ``action`` on rank 0 alone and return its (small, picklable) result on every rank.
+    @classmethod
+    def job(cls) -> RankGroup:
+        """Every rank of the job (collective when there is more than one)."""
+        return cls(is_multi_rank())
 
-    If it raises, every rank raises ``failure(description)``, where the description names the step
-    and rank 0's error; on rank 0 it is chained to the original error.
-    """
-    error: Exception | None = None
-    outcome: list[object] = [None, None]  # [error text or None, result]
-    if is_rank_zero():
+    @classmethod
+    def local(cls) -> RankGroup:
+        """This process alone."""
+        return cls(False)
+
+    @classmethod
+    def of(cls, sharded: bool) -> RankGroup:
+        """The job for a sharded model, this process alone for a process-local one."""
+        return cls.job() if sharded else cls.local()
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process does the group's single-writer work (rank 0, or the only process)."""
+        return not self.collective or dist.get_rank() == 0
+
+    def on_every_rank(self, what: str, action: Callable[[], T]) -> T:
+        """Run ``action`` here; in a collective group, if it fails on any rank, fail on every rank.
+
+        A failing rank re-raises its own error; the others raise :class:`RemoteRankError`. Costs one
+        small all-reduce, and only in a collective group.
+        """
+        error: Exception | None = None
+        result = None
         try:
-            outcome[1] = action()
-        except Exception as caught:  # reported on every rank below
+            result = action()
+        except Exception as caught:  # re-raised below, unchanged
             error = caught
-            outcome[0] = f"{type(caught).__name__}: {caught}"
-    if is_multi_rank():
-        dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise failure(f"{what} failed on rank 0: {outcome[0]}") from error
-    return outcome[1]  # type: ignore[return-value]
+        if self.collective:
+            failed = torch.tensor([0 if error is None else 1], device=collective_device())
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if failed.item() and error is None:
+                raise RemoteRankError(f"another rank failed while {what}; its error is in that rank's output")
+        if error is not None:
+            raise error
+        return result  # type: ignore[return-value]
+
+    def on_rank_zero(self, what: str, action: Callable[[], T], failure: Callable[[str], NeMoWrapError]) -> T:
+        """Run ``action`` on the writer alone and return its (small, picklable) result on every rank.
+
+        If it raises, every rank raises ``failure(description)``, where the description names the
+        step and the writer's error; on the writer it is chained to the original error.
+        """
+        error: Exception | None = None
+        outcome: list[object] = [None, None]  # [error text or None, result]
+        if self.is_writer:
+            try:
+                outcome[1] = action()
+            except Exception as caught:  # reported on every rank below
+                error = caught
+                outcome[0] = f"{type(caught).__name__}: {caught}"
+        if self.collective:
+            dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            raise failure(f"{what} failed on rank 0: {outcome[0]}") from error
+        return outcome[1]  # type: ignore[return-value]

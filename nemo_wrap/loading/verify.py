@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
-from nemo_wrap.distributed.collectives import collective_device, is_multi_rank
+from nemo_wrap.distributed.collectives import RankGroup, collective_device
 from nemo_wrap.errors import LoadVerificationError
 from nemo_wrap.initialization.geometry import ShardGeometry, local_shard, shard_geometry
 from nemo_wrap.loading.provenance import Loaded, Provenance
@@ -74,10 +74,11 @@ def verify_load(
     provenance: dict[str, Provenance],
     adapter: StateDictAdapter,
     checkpoint: Checkpoint,
+    group: RankGroup,
 ) -> None:
     """Raise :class:`LoadVerificationError` (on every rank) naming each tensor that differs."""
     names = [name for name in tensors if isinstance(provenance.get(name), Loaded)]
-    distributed = is_multi_rank()
+    distributed = group.collective
     device = collective_device()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     expected = torch.zeros(len(names), dtype=torch.int64)
