@@ -103,3 +103,23 @@ def test_transformers_trainer_trains_checkpoints_evaluates_and_saves(kind, tmp_p
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, model(tokens).logits, atol=1e-5, rtol=0)
+
+
+# -- hidden states from our fused classes -------------------------------------------------------
+@pytest.mark.parametrize("kind", ["own-llama", "own-qwen2", "own-qwen3"])
+def test_fused_classes_return_transformers_hidden_states(kind, tmp_path):
+    from nemo_wrap.errors import InvalidModelInputError
+
+    write_checkpoint(tmp_path, kind, "distinct", tie=False)
+    ours = NeMoAutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = _Tokens(2).ids
+    with torch.no_grad():
+        expected = theirs(tokens, output_hidden_states=True).hidden_states
+        actual = ours(tokens, output_hidden_states=True).hidden_states
+        assert ours(tokens).hidden_states is None  # off by default, as in transformers
+    assert len(actual) == len(expected) == ours.config.num_hidden_layers + 1
+    for layer, (mine, reference) in enumerate(zip(actual, expected, strict=True)):
+        torch.testing.assert_close(mine, reference, atol=1e-5, rtol=0, msg=f"hidden state {layer}")
+    with pytest.raises(InvalidModelInputError, match="SDPA.*attn_implementation='eager'"):
+        ours(tokens, output_attentions=True)

@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 
+from nemo_wrap.errors import InvalidModelInputError
 from nemo_wrap.models.common.decoder import DecoderModel
 from nemo_wrap.models.common.norm import RMSNorm
 from nemo_wrap.models.common.rope import RotaryEmbedding, rope_inverse_frequencies
@@ -80,28 +81,42 @@ class NeMoCausalLM(PreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **loss_kwargs,
     ) -> CausalLMOutputWithPast:
         """Same inputs and outputs as transformers' ``LlamaForCausalLM.forward``.
 
         ``use_cache`` defaults to ``config.use_cache`` (off while training with activation
-        checkpointing, as in transformers). ``loss_kwargs`` (e.g. ``num_items_in_batch``) go to
+        checkpointing, as in transformers). ``output_hidden_states`` returns transformers' tuple of
+        ``num_hidden_layers + 1`` states. Attention weights are never computed (SDPA), so
+        ``output_attentions=True`` raises. ``loss_kwargs`` (e.g. ``num_items_in_batch``) go to
         transformers' causal-LM loss, which shifts ``labels`` itself; the output is always a
         ``CausalLMOutputWithPast``, so ``return_dict`` (which ``generate`` passes) has no effect.
         """
+        if output_attentions:
+            raise InvalidModelInputError(
+                f"{type(self).__name__} runs attention through PyTorch's SDPA kernel, which computes no "
+                "attention weights: load with force_hf=True and attn_implementation='eager' to get them"
+            )
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and self.training and torch.is_grad_enabled() and self.is_activation_checkpointing:
             use_cache = False  # the checkpointed layers drop the cache anyway; do not create one
-        hidden_states, cache = self.model(
+        if output_hidden_states is None:
+            output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
+        decoded = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
         )
-        logits = self.lm_head(slice_logits_to_keep(hidden_states, logits_to_keep))
+        logits = self.lm_head(slice_logits_to_keep(decoded.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, cache=decoded.cache, hidden_states=decoded.hidden_states
+        )

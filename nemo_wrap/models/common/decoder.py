@@ -7,6 +7,7 @@ for those two and is otherwise written once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -20,6 +21,16 @@ from nemo_wrap.models.common.norm import RMSNorm
 from nemo_wrap.models.common.rope import RotaryEmbedding
 
 AttentionFactory = Callable[[PreTrainedConfig, int], nn.Module]
+
+
+class DecoderOutput(NamedTuple):
+    """What the decoder stack returns to the causal-LM head."""
+
+    last_hidden_state: torch.Tensor
+    cache: Cache | None
+    hidden_states: tuple[torch.Tensor, ...] | None
+
+
 MLPFactory = Callable[[PreTrainedConfig], nn.Module]
 
 _MASK_BUILDERS = {
@@ -92,8 +103,11 @@ class DecoderModel(nn.Module):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool = False,
-    ) -> tuple[torch.Tensor, Cache | None]:
-        """Return ``(last_hidden_state, cache)``; the cache is created here when ``use_cache`` asks for one.
+        output_hidden_states: bool = False,
+    ) -> DecoderOutput:
+        """The last hidden state, the cache (created here when ``use_cache`` asks for one), and with
+        ``output_hidden_states`` every layer's input plus the final normed state, as transformers
+        returns them (``num_hidden_layers + 1`` tensors).
 
         ``attention_mask`` is the usual 2-D padding mask, or a ``{layer_type: mask}`` dict already
         built by ``generate`` (it does so for compileable caches).
@@ -107,28 +121,38 @@ class DecoderModel(nn.Module):
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
-
-        if isinstance(attention_mask, dict):
-            masks = attention_mask
-        else:
-            masks = {
-                layer_type: _MASK_BUILDERS[layer_type](
-                    config=self.config,
-                    inputs_embeds=inputs_embeds,
-                    attention_mask=attention_mask,
-                    cache=cache,
-                    position_ids=position_ids,
-                )
-                for layer_type in set(self.layer_types)
-            }
-
+        masks = self._attention_masks(attention_mask, inputs_embeds, cache, position_ids)
         position_embeddings = self.rotary_emb(position_ids, inputs_embeds.dtype)
         hidden_states = inputs_embeds
+        layer_inputs = []
         for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
+            layer_inputs.append(hidden_states)
             hidden_states = layer(
                 hidden_states,
                 attention_mask=masks[layer_type],
                 position_embeddings=position_embeddings,
                 cache=cache,
             )
-        return self.norm(hidden_states), cache
+        last = self.norm(hidden_states)
+        return DecoderOutput(last, cache, (*layer_inputs, last) if output_hidden_states else None)
+
+    def _attention_masks(
+        self,
+        attention_mask: torch.Tensor | dict[str, torch.Tensor] | None,
+        inputs_embeds: torch.Tensor,
+        cache: Cache | None,
+        position_ids: torch.Tensor,
+    ) -> dict[str, torch.Tensor | None]:
+        """One mask per layer type, from transformers' own builders (or as ``generate`` built them)."""
+        if isinstance(attention_mask, dict):
+            return dict(attention_mask)
+        return {
+            layer_type: _MASK_BUILDERS[layer_type](
+                config=self.config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                cache=cache,
+                position_ids=position_ids,
+            )
+            for layer_type in set(self.layer_types)
+        }
