@@ -123,3 +123,22 @@ def test_fused_classes_return_transformers_hidden_states(kind, tmp_path):
         torch.testing.assert_close(mine, reference, atol=1e-5, rtol=0, msg=f"hidden state {layer}")
     with pytest.raises(InvalidModelInputError, match="SDPA.*attn_implementation='eager'"):
         ours(tokens, output_attentions=True)
+
+
+# -- progress on long work ----------------------------------------------------------------------
+def test_loading_and_saving_show_progress_where_asked(tmp_path, monkeypatch, capsys):
+    from nemo_wrap.progress import progress_enabled
+
+    write_checkpoint(tmp_path / "ckpt", "llama", "half", tie=False)
+    monkeypatch.setenv("NEMO_WRAP_PROGRESS", "1")
+    model = NeMoAutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    model.save_pretrained(tmp_path / "out")
+    shown = capsys.readouterr().err
+    assert "loading" in shown and "saving" in shown and "tensor" in shown
+    monkeypatch.setenv("NEMO_WRAP_PROGRESS", "0")
+    NeMoAutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").save_pretrained(tmp_path / "out")
+    assert "loading" not in capsys.readouterr().err
+    monkeypatch.delenv("NEMO_WRAP_PROGRESS")
+    assert not progress_enabled(speaks_for_the_job=True)  # pytest's captured stderr is no terminal
+    monkeypatch.setenv("NEMO_WRAP_PROGRESS", "1")
+    assert not progress_enabled(speaks_for_the_job=False)  # other ranks stay quiet

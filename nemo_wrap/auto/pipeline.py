@@ -95,7 +95,7 @@ class LoadPipeline:
 
         def read() -> tuple[dict[str, Provenance], set[str], int]:
             with BlockReader() as reader:
-                provenance, used = read_into_model(self.model, checkpoint, reader, adapter)
+                provenance, used = read_into_model(self.model, checkpoint, reader, adapter, self.group.is_writer)
                 return provenance, used, sum(reader.bytes_read.values())
 
         self.provenance, self.used_keys, self.bytes_read = self.group.on_every_rank("reading the checkpoint", read)

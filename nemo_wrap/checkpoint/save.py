@@ -33,6 +33,7 @@ from nemo_wrap.checkpoint.atomic import discard, replace_directory, save_failed,
 from nemo_wrap.checkpoint.locate import INDEX_FILE, SINGLE_FILE
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.errors import CheckpointSaveError, InvalidShardSizeError
+from nemo_wrap.progress import progress_bar
 from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors
 
 if TYPE_CHECKING:
@@ -101,18 +102,21 @@ def _write_files(
     """Gather and write one file's worth of tensors at a time; the index when there are several files."""
     weight_map: dict[str, str] = {}
     total_size = 0
+    bar = progress_bar(len(tensors), "saving", group.is_writer)
     for filename, names in files.items():
         shard: dict[str, torch.Tensor] = {}
         for name in names:  # same order on every rank: each full_tensor() is a collective
             full = _gather(tensors[name])
             if group.is_writer:
                 shard.update(to_hf(name, full))
+            bar.update(1)
         weight_map.update(dict.fromkeys(shard, filename))
         total_size += sum(t.numel() * t.element_size() for t in shard.values())
         group.on_rank_zero(
             f"writing {filename}", partial(save_file, shard, staged / filename, {"format": "pt"}), failure
         )
         del shard
+    bar.close()
     if len(files) == 1:
         return None
     return {"metadata": {"total_size": total_size}, "weight_map": weight_map}

@@ -23,6 +23,7 @@ from nemo_wrap.checkpoint.safetensors_file import BlockReader, TensorEntry
 from nemo_wrap.errors import ShapeMismatchError
 from nemo_wrap.initialization.geometry import ShardGeometry, local_shard, shard_geometry
 from nemo_wrap.loading.provenance import Loaded, Missing, Provenance, Tied
+from nemo_wrap.progress import progress_bar
 from nemo_wrap.state_dict import IdentityAdapter, SourceBlock, StateDictAdapter, checkpoint_tensors
 
 # (checkpoint key, one step-1 slice per checkpoint-tensor dim, destination of that block's shape)
@@ -34,20 +35,22 @@ def read_into_model(
     checkpoint: Checkpoint,
     reader: BlockReader,
     adapter: StateDictAdapter,
+    show_progress: bool = False,
 ) -> tuple[dict[str, Provenance], set[str]]:
     """Fill every local shard from ``checkpoint`` through ``adapter``; return provenance per tensor
-    and the checkpoint keys used."""
+    and the checkpoint keys used. ``show_progress``: this rank may show a progress bar."""
     transform = "identity" if isinstance(adapter, IdentityAdapter) else type(adapter).__name__
     distinct, tied = checkpoint_tensors(model)
     provenance: dict[str, Provenance] = {}
     used: set[str] = set()
     copy_block = checkpoint_copier(checkpoint, reader)
     shapes = checkpoint_shapes(checkpoint)
-    with torch.no_grad():
+    with torch.no_grad(), progress_bar(len(distinct), "loading", show_progress) as bar:
         for name, tensor in distinct.items():
             found = provenance[name] = _read_one(name, tensor, adapter, transform, checkpoint, shapes, copy_block)
             if isinstance(found, Loaded):
                 used.update(found.keys)
+            bar.update(1)
     for target, source in tied.items():
         provenance[target] = Tied(source)
         used.add(target)  # a checkpoint that also stores the tie target holds the same tensor
