@@ -21,3 +21,14 @@ def ranks4():
     pool = RankPool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from threads; one keeps the shared machine free."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -9,18 +9,8 @@ from __future__ import annotations
 
 import transformers
 
-_BASE = dict(
-    vocab_size=257,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    pad_token_id=3,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+from tests.tiny_models import TINY_DECODER
+
 _MOE = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 _HEAD_DIM = dict(head_dim=16)
 
@@ -63,7 +53,7 @@ RENAMED = ("gpt_neox",)
 
 def family_config(family: str):
     config_name, extra = FAMILIES[family]
-    return getattr(transformers, config_name)(**{**_BASE, **extra})
+    return getattr(transformers, config_name)(**{**TINY_DECODER, **extra})
 
 
 def write_family_checkpoint(family: str, directory, seed: int = 0):

@@ -23,12 +23,7 @@ from tests.families import FAMILIES, RENAMED, tokens, write_family_checkpoint
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _keys(directory) -> set[str]:

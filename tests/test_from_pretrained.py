@@ -136,6 +136,7 @@ def case_verify(path, strategy, tp_size, corrupt_rank):
     # Now damage one element of one rank's shard and verify again: it must be caught everywhere.
     import torch.distributed as dist
 
+    from nemo_wrap.distributed.collectives import RankGroup
     from nemo_wrap.loading.verify import verify_load
     from nemo_wrap.checkpoint.locate import open_checkpoint
     from pathlib import Path
@@ -146,7 +147,8 @@ def case_verify(path, strategy, tp_size, corrupt_rank):
             local_shard(weight).view(-1)[3] += 1.0
     distinct, _ = checkpoint_tensors(model)
     try:
-        verify_load(distinct, model.load_report.provenance, model.state_dict_adapter(), open_checkpoint(Path(path)))
+        checkpoint = open_checkpoint(Path(path))
+        verify_load(distinct, model.load_report.provenance, model.state_dict_adapter(), checkpoint, RankGroup.job())
     except LoadVerificationError as error:
         return verified, str(error)
     return verified, None

@@ -43,13 +43,7 @@ LLAMA3_ROPE = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads; one keeps the shared machine free."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_config(arch: str, *, kv_heads: int, tied: bool, **overrides):

@@ -12,7 +12,7 @@ from transformers import (
     Qwen3Config,
 )
 
-_DECODER = dict(
+TINY_DECODER = dict(
     vocab_size=257,
     hidden_size=64,
     intermediate_size=128,
@@ -47,7 +47,7 @@ def tiny_config(kind: str, **overrides):
         "phi3": Phi3Config,
     }
     extra = {"head_dim": 16} if kind in ("qwen3", "gemma2") else {}
-    return classes[kind](**{**_DECODER, **extra, **overrides})
+    return classes[kind](**{**TINY_DECODER, **extra, **overrides})
 
 
 ALL_KINDS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "gpt2")
