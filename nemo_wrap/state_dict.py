@@ -1,9 +1,10 @@
 """The state-dict protocol: how a model's tensors correspond to a transformers checkpoint's keys.
 
 Both directions of checkpoint I/O need the same three facts — which tensors a model has to fill
-(distinct tensors, ties resolved), how one of its tensors maps to checkpoint keys and rows, and
-how a whole state dict converts to transformers' keys. They live here, below the models that
-implement adapters and the loader and writer that use them, so neither imports the other.
+(distinct tensors, ties resolved), which windows of which checkpoint tensors make up one of its
+tensors (:class:`SourceBlock`), and how a whole state dict converts to transformers' keys. They
+live here, below the models that implement adapters and the loader and writer that use them, so
+neither imports the other.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ class TransformersConversion:
         if group is None:
             return []
         if group.converter is None:
-            (source,) = [keys[0] for keys in group.keys_by_pattern.values()]
+            source = next(iter(group.keys_by_pattern.values()))[0]  # others renamed alike stay unused
             return [SourceBlock(source, whole(shape), whole(self._shapes[source]))]
         return _converted_blocks(group, self._shapes)
 
