@@ -116,6 +116,10 @@ class ShapeMismatchError(NeMoWrapError, ValueError):
     """A checkpoint tensor's shape differs from the parameter it should fill."""
 
 
+class DTypeMismatchError(NeMoWrapError, TypeError):
+    """A checkpoint tensor's dtype kind cannot fill the parameter (integers or bools into floats)."""
+
+
 class RemoteRankError(NeMoWrapError, RuntimeError):
     """Another rank failed during a step all ranks run together; this rank stops with it."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import time
@@ -139,6 +140,36 @@ def test_tensor_shape_mismatch(copy):
         _load(copy)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["transformers-class", "fused-class"])
+def test_a_tensor_longer_than_its_parameter_is_refused_not_truncated(copy, fused):
+    def lengthen(tensors):
+        embedding = tensors["model.embed_tokens.weight"]
+        tensors["model.embed_tokens.weight"] = torch.cat([embedding, embedding])
+        q = tensors["model.layers.0.self_attn.q_proj.weight"]
+        tensors["model.layers.0.self_attn.q_proj.weight"] = torch.cat([q, q[:1]])
+
+    _rewrite_weights(copy, lengthen)
+    with pytest.raises(ShapeMismatchError, match=r"has shape \[\d+, 64\], which cannot fill"):
+        NeMoAutoModelForCausalLM.from_pretrained(copy, force_hf=not fused, verify=True)
+
+
+def test_a_pickle_tensor_is_never_broadcast_into_a_parameter(copy):
+    tensors = load_file(copy / "model.safetensors")
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][:1]
+    (copy / "model.safetensors").unlink()
+    torch.save(tensors, copy / "pytorch_model.bin")
+    with pytest.raises(ShapeMismatchError, match=r"'model.embed_tokens.weight' has shape \[1, 64\]"):
+        _load(copy, allow_pickle=True)
+
+
+def test_integer_weights_are_refused_for_float_parameters(copy):
+    from nemo_wrap.errors import DTypeMismatchError
+
+    _rewrite_weights(copy, lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)}))
+    with pytest.raises(DTypeMismatchError, match=r"model.safetensors: tensor 'model.norm.weight' is torch.int32"):
+        _load(copy)
+
+
 def test_unexpected_keys_under_strict_and_tolerated_otherwise(copy):
     _rewrite_weights(copy, lambda t: t.update({"model.extra.weight": torch.ones(3)}))
     with pytest.raises(UnexpectedKeysError, match="model.extra.weight"):
@@ -230,3 +261,58 @@ def test_remote_code_is_never_executed(copy):
     }))
     with pytest.raises(UnsupportedModelError, match="config.json"):
         _load(copy)
+
+
+# -- the Hugging Face cache layout: snapshot files are symlinks into the repository's blobs/ ------
+def _cache_layout(hub: Path, source: Path) -> Path:
+    """``source``'s files laid out as huggingface_hub caches them; returns the snapshot directory."""
+    import hashlib
+
+    repo = hub / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    for file in source.iterdir():
+        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copy(file, blob)
+        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
+    return snapshot
+
+
+def test_a_sharded_model_in_the_hub_cache_loads_by_snapshot_path_and_by_id(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.checkpoints import write_checkpoint
+
+    source = write_checkpoint(tmp_path / "source", "llama", "distinct", tie=False, max_shard_size="40KB")
+    assert len(list(source.glob("model-*.safetensors"))) > 1
+    snapshot = _cache_layout(tmp_path / "hub", source)
+    model = _load(snapshot, verify=True)
+    assert model.load_report.verified and model.load_report.counts()["checkpoint"] > 0
+    script = "from nemo_wrap import NeMoAutoModelForCausalLM as A; print(A.from_pretrained('org/tiny', verify=True).load_report.verified)"
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().endswith("True"), out.stderr[-2000:]
+
+
+def test_a_symlink_out_of_the_checkpoint_or_its_blobs_is_refused(tmp_path):
+    from tests.checkpoints import write_checkpoint
+
+    source = write_checkpoint(tmp_path / "source", "llama", "half", tie=False, max_shard_size="40KB")
+    snapshot = _cache_layout(tmp_path / "hub", source)
+    shard = sorted(snapshot.glob("model-*.safetensors"))[0]
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.copy(shard, outside)
+    shard.unlink()
+    shard.symlink_to(outside)
+    with pytest.raises(UnsafeCheckpointError, match="escapes the checkpoint directory"):
+        _load(snapshot)
+    plain = tmp_path / "plain"
+    shutil.copytree(write_checkpoint(tmp_path / "one", "llama", "half", tie=False), plain)
+    (plain / "model.safetensors").rename(tmp_path / "moved.safetensors")
+    (plain / "model.safetensors").symlink_to(tmp_path / "moved.safetensors")
+    with pytest.raises(UnsafeCheckpointError, match="model.safetensors: resolves outside"):
+        _load(plain)

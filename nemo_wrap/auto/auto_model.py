@@ -15,7 +15,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from nemo_wrap.auto.classes import loadable_class
 from nemo_wrap.auto.pipeline import LoadPipeline, check_loadable
-from nemo_wrap.checkpoint.locate import Checkpoint, open_checkpoint, resolve_checkpoint_directory
+from nemo_wrap.checkpoint.locate import Checkpoint, open_checkpoint, require_inside, resolve_checkpoint_directory
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import CheckpointNotFoundError, InvalidSetupError, UnsupportedModelError
@@ -134,6 +134,7 @@ def _load_config(directory: Path, overrides: dict[str, Any]) -> PretrainedConfig
     (a misspelt argument, say) raises instead of vanishing."""
     if not (directory / "config.json").is_file():
         raise CheckpointNotFoundError(f"{directory}: no config.json")
+    require_inside(directory, "config.json")
     try:
         config, unused = AutoConfig.from_pretrained(
             directory, trust_remote_code=False, return_unused_kwargs=True, **overrides

@@ -82,10 +82,15 @@ def _from_hub_cache(repo_id: str, group: RankGroup) -> Path:
 
 
 def open_checkpoint(directory: Path, allow_pickle: bool = False) -> Checkpoint:
-    """Index the weights in ``directory``: ``model.safetensors``, or the sharded index's files."""
+    """Index the weights in ``directory``: ``model.safetensors``, or the sharded index's files.
+
+    Every file opened is the checkpoint's own (:func:`require_inside`).
+    """
     if (directory / INDEX_FILE).is_file():
+        require_inside(directory, INDEX_FILE)
         return Checkpoint(directory, _entries_from_index(directory))
     if (directory / SINGLE_FILE).is_file():
+        require_inside(directory, SINGLE_FILE)
         return Checkpoint(directory, read_header(directory / SINGLE_FILE))
     pickles = [directory / name for name in PICKLE_FILES if (directory / name).is_file()]
     if pickles and not allow_pickle:
@@ -94,6 +99,7 @@ def open_checkpoint(directory: Path, allow_pickle: bool = False) -> Checkpoint:
             "safetensors, or pass allow_pickle=True to load it with torch.load(weights_only=True)"
         )
     if pickles:
+        require_inside(directory, pickles[0].name)
         return Checkpoint(directory, {}, _load_pickles(directory, pickles[0]))
     raise CheckpointNotFoundError(f"{directory}: no weight files (expected {SINGLE_FILE} or {INDEX_FILE})")
 
@@ -112,10 +118,11 @@ def _weight_map(index_path: Path) -> dict[str, str]:
 
 
 def _shard_path(index_path: Path, file_name: object, key: str) -> Path:
-    """The shard an index names for ``key``: inside the checkpoint directory, and existing."""
-    root = index_path.parent.resolve()
-    shard = (index_path.parent / str(file_name)).resolve()
-    if root not in shard.parents:
+    """The shard an index names for ``key``: a file of the checkpoint (see :func:`_inside`), existing."""
+    if not isinstance(file_name, str) or not file_name or "\0" in file_name:
+        raise CorruptCheckpointError(f"{index_path}: key {key!r} names an invalid shard file {file_name!r}")
+    shard = index_path.parent / file_name
+    if not _inside(index_path.parent, file_name):
         raise UnsafeCheckpointError(
             f"{index_path}: shard {file_name!r} of key {key!r} escapes the checkpoint directory"
         )
@@ -123,7 +130,30 @@ def _shard_path(index_path: Path, file_name: object, key: str) -> Path:
         raise CheckpointNotFoundError(
             f"{index_path}: names shard {file_name!r} (for key {key!r}), which does not exist"
         )
-    return shard
+    return shard.resolve()
+
+
+def require_inside(directory: Path, name: str) -> None:
+    """Raise :class:`UnsafeCheckpointError` unless ``directory / name`` is the checkpoint's own file."""
+    if not _inside(directory, name):
+        raise UnsafeCheckpointError(f"{directory / name}: resolves outside the checkpoint directory")
+
+
+def _inside(directory: Path, name: str) -> bool:
+    """Whether the file ``name`` (relative to ``directory``) belongs to the checkpoint there.
+
+    Its name must stay inside the directory, and what it resolves to (symlinks followed) too — or,
+    for a Hugging Face cache snapshot (``<repo>/snapshots/<rev>/``, whose files are symlinks to
+    ``<repo>/blobs/``), inside that repository's own ``blobs`` folder.
+    """
+    root = directory.resolve()
+    if root not in Path(os.path.normpath(root / name)).parents:  # "../x" and absolute names
+        return False
+    allowed = [root]
+    if root.parent.name == "snapshots":
+        allowed.append((root.parent.parent / "blobs").resolve())
+    resolved = (directory / name).resolve()
+    return any(base in resolved.parents for base in allowed)
 
 
 def _entries_from_index(directory: Path) -> dict[str, TensorEntry]:

@@ -20,7 +20,7 @@ from torch import nn
 
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader, TensorEntry
-from nemo_wrap.errors import ShapeMismatchError
+from nemo_wrap.errors import DTypeMismatchError, ShapeMismatchError
 from nemo_wrap.initialization.geometry import ShardGeometry, local_shard, shard_geometry
 from nemo_wrap.loading.provenance import Loaded, Missing, Provenance, Tied
 from nemo_wrap.progress import progress_bar
@@ -85,9 +85,26 @@ def _read_one(
     if not keys or any(key not in shapes for key in keys):
         return Missing(adapter.expected_keys(name))
     check_blocks(name, geometry.global_shape, blocks, shapes, checkpoint)
+    _check_dtype_kind(name, tensor.dtype, keys, checkpoint)
     fill_from_blocks(local_shard(tensor), geometry, blocks, copy_block)
     files = ("pickle",) if checkpoint.pickle_tensors is not None else _files_of(keys, checkpoint.entries)
     return Loaded(files, keys, transform)
+
+
+def _check_dtype_kind(name: str, dtype: torch.dtype, keys: tuple[str, ...], checkpoint: Checkpoint) -> None:
+    """Floating parameters take floating checkpoint tensors only: a cast from integers or bools
+    would load numbers that were never weights, without a word."""
+    if not dtype.is_floating_point:
+        return
+    for key in keys:
+        source = checkpoint.pickle_tensors[key].dtype if checkpoint.pickle_tensors is not None else None
+        where: object = "pickle checkpoint"
+        if source is None:
+            source, where = checkpoint.entries[key].dtype, checkpoint.entries[key].file
+        if not source.is_floating_point:
+            raise DTypeMismatchError(
+                f"{where}: tensor {key!r} is {source}, which cannot fill the {dtype} parameter {name!r}"
+            )
 
 
 def checkpoint_shapes(checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
