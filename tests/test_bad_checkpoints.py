@@ -316,3 +316,78 @@ def test_a_symlink_out_of_the_checkpoint_or_its_blobs_is_refused(tmp_path):
     (plain / "model.safetensors").symlink_to(tmp_path / "moved.safetensors")
     with pytest.raises(UnsafeCheckpointError, match="model.safetensors: resolves outside"):
         _load(plain)
+
+
+# -- a stricter reader: what the reference safetensors parser refuses, and JSON that breaks Python --
+def _rewrite_header(path: Path, change) -> None:
+    raw = (path / "model.safetensors").read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = change(raw[8 : 8 + size].decode())
+    encoded = header.encode()
+    (path / "model.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded + raw[8 + size :])
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda h: h.replace('{"__metadata__":{"format":"pt"},', '{"__metadata__":{"format":1},'), "__metadata__"),
+        (lambda h: '{"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},' + h[1:], None),  # fine: zero-size
+        (lambda h: h[:-1] + ',"model.norm.weight":' + h[h.index('"model.norm.weight":') + 20 : h.index("}", h.index('"model.norm.weight":')) + 1] + "}", "repeats the key"),
+        (lambda h: "[" * 100000 + "]" * 100000, "RecursionError"),
+        (lambda h: h.replace('"F32"', '["F32"]', 1), "unsupported dtype"),
+    ],
+    ids=["metadata-not-strings", "zero-size-tensor", "duplicate-key", "deep-nesting", "dtype-list"],
+)
+def test_header_defects_raise_a_corrupt_checkpoint_error_naming_the_file(copy, change, named):
+    _rewrite_header(copy, change)
+    if named is None:
+        _load(copy, strict=False)  # a zero-size tensor is valid safetensors (unused here)
+        return
+    with pytest.raises(CorruptCheckpointError, match=named) as excinfo:
+        _load(copy)
+    assert "model.safetensors" in str(excinfo.value)
+
+
+def test_bytes_after_the_last_tensor_or_an_overlap_are_refused(copy):
+    (copy / "model.safetensors").write_bytes((copy / "model.safetensors").read_bytes() + b"\0" * 8)
+    with pytest.raises(CorruptCheckpointError, match=r"8 byte\(s\) after the last tensor"):
+        _load(copy)
+
+
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [("not json {", CorruptCheckpointError), ("[" * 100000, CorruptCheckpointError)],
+    ids=["not-json", "deep-nesting"],
+)
+def test_a_malformed_config_raises_naming_it(copy, content, error):
+    (copy / "config.json").write_text(content)
+    with pytest.raises(error, match="config.json"):
+        _load(copy)
+
+
+def test_a_malformed_index_raises_naming_it(copy):
+    (copy / "model.safetensors.index.json").write_bytes(b'{"weight_map": ' + b"[" * 100000)
+    with pytest.raises(CorruptCheckpointError, match=r"model.safetensors.index.json: index is not valid JSON"):
+        _load(copy)
+    (copy / "model.safetensors.index.json").write_text('{"weight_map": {"model.norm.weight": ["x"]}}')
+    with pytest.raises(CorruptCheckpointError, match="invalid shard file"):
+        _load(copy)
+
+
+@pytest.mark.parametrize("content", [b"not a pickle", b"", b"\x80\x04K\x01."], ids=["garbage", "empty", "an-int"])
+def test_a_malformed_pickle_raises_naming_it(copy, content):
+    (copy / "model.safetensors").unlink()
+    (copy / "pytorch_model.bin").write_bytes(content)
+    with pytest.raises(CorruptCheckpointError, match="pytorch_model.bin"):
+        _load(copy, allow_pickle=True)
+
+
+def test_a_fifo_named_by_a_pickle_index_is_refused_without_blocking(copy):
+    tensors = load_file(copy / "model.safetensors")
+    (copy / "model.safetensors").unlink()
+    os.mkfifo(copy / "shard.bin")
+    (copy / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(tensors, "shard.bin")}))
+    started = time.monotonic()
+    with pytest.raises(CheckpointNotFoundError, match="shard.bin"):
+        _load(copy, allow_pickle=True)
+    assert time.monotonic() - started < 10

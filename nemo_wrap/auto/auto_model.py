@@ -18,7 +18,7 @@ from nemo_wrap.auto.pipeline import LoadPipeline, check_loadable
 from nemo_wrap.checkpoint.locate import Checkpoint, open_checkpoint, require_inside, resolve_checkpoint_directory
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.distributed.setup import DistributedSetup
-from nemo_wrap.errors import CheckpointNotFoundError, InvalidSetupError, UnsupportedModelError
+from nemo_wrap.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidSetupError, UnsupportedModelError
 from nemo_wrap.loading.plan import LoadPlan, make_load_plan
 from nemo_wrap.models.registry import ModelSource, resolve_model_source
 
@@ -140,7 +140,12 @@ def _load_config(directory: Path, overrides: dict[str, Any]) -> PretrainedConfig
             directory, trust_remote_code=False, return_unused_kwargs=True, **overrides
         )
     except ValueError as error:
-        raise UnsupportedModelError(f"{directory / 'config.json'}: {error}") from error
+        raise UnsupportedModelError(f"{directory / 'config.json'}: {str(error)[:300]}") from error
+    except (OSError, TypeError, KeyError, AttributeError, RecursionError) as error:  # malformed files
+        raise CorruptCheckpointError(
+            f"{directory / 'config.json'}: cannot be read as a transformers config "
+            f"({type(error).__name__}: {str(error)[:200]})"
+        ) from error
     if unused:
         raise InvalidSetupError(
             f"from_pretrained: unknown keyword argument(s) {sorted(unused)}: neither an argument of "

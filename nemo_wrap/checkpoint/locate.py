@@ -7,15 +7,15 @@ error naming the path, file or key; callers run this on every rank, so all ranks
 
 from __future__ import annotations
 
-import json
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 import torch
 
-from nemo_wrap.checkpoint.safetensors_file import TensorEntry, read_header
+from nemo_wrap.checkpoint.safetensors_file import TensorEntry, parse_json, read_header
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.errors import (
     CheckpointNotFoundError,
@@ -26,6 +26,7 @@ from nemo_wrap.errors import (
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+_MAX_INDEX_BYTES = 64 * 2**20  # a million keys with long names fit; anything larger is no index
 
 
 @dataclass(frozen=True)
@@ -105,22 +106,21 @@ def open_checkpoint(directory: Path, allow_pickle: bool = False) -> Checkpoint:
 
 
 def _weight_map(index_path: Path) -> dict[str, str]:
-    """An index file's key → shard file map, validated as JSON of the right shape."""
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise CorruptCheckpointError(
-            f"{index_path}: not a valid index (needs a 'weight_map' object): {error}"
-        ) from None
+    """An index file's key → shard file map, validated as JSON of the right shape and size."""
+    if index_path.stat().st_size > _MAX_INDEX_BYTES:
+        raise CorruptCheckpointError(f"{index_path}: larger than {_MAX_INDEX_BYTES} bytes; not an index")
+    index = parse_json(index_path, index_path.read_bytes(), "index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
-        raise CorruptCheckpointError(f"{index_path}: 'weight_map' is not an object")
+        raise CorruptCheckpointError(f"{index_path}: not a valid index (needs a 'weight_map' object)")
+    for key, file_name in weight_map.items():
+        if not isinstance(file_name, str) or not file_name or "\0" in file_name:
+            raise CorruptCheckpointError(f"{index_path}: key {key!r} names an invalid shard file {file_name!r}")
     return weight_map
 
 
-def _shard_path(index_path: Path, file_name: object, key: str) -> Path:
+def _shard_path(index_path: Path, file_name: str, key: str) -> Path:
     """The shard an index names for ``key``: a file of the checkpoint (see :func:`_inside`), existing."""
-    if not isinstance(file_name, str) or not file_name or "\0" in file_name:
-        raise CorruptCheckpointError(f"{index_path}: key {key!r} names an invalid shard file {file_name!r}")
     shard = index_path.parent / file_name
     if not _inside(index_path.parent, file_name):
         raise UnsafeCheckpointError(
@@ -177,5 +177,18 @@ def _load_pickles(directory: Path, first: Path) -> dict[str, torch.Tensor]:
         paths = [first]
     tensors: dict[str, torch.Tensor] = {}
     for path in paths:
-        tensors.update(torch.load(path, map_location="cpu", weights_only=True))
+        tensors.update(_load_pickle(path))
     return tensors
+
+
+def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
+    """One ``.bin`` file through ``weights_only`` unpickling: a dict of tensors, or a clear error."""
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, AttributeError, OSError) as error:
+        raise CorruptCheckpointError(f"{path}: not a loadable weights-only pickle ({type(error).__name__})") from error
+    if not isinstance(loaded, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()
+    ):
+        raise CorruptCheckpointError(f"{path}: does not hold a dict of named tensors")
+    return loaded

@@ -72,26 +72,47 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             raw = handle.read(header_size)
     except OSError as error:
         raise CorruptCheckpointError(f"{path}: cannot read ({error.strerror})") from error
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CorruptCheckpointError(f"{path}: header is not valid JSON ({error})") from None
+    header = parse_json(path, raw, "header")
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{path}: header is not a JSON object")
+    _check_metadata(path, header.pop("__metadata__", {}))
     data_start = 8 + header_size
-    entries = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        entries[key] = _validated_entry(path, key, info, data_start, file_size)
-    _check_no_overlap(path, entries)
+    entries = {key: _validated_entry(path, key, info, data_start, file_size) for key, info in header.items()}
+    _check_contiguous(path, entries, data_start, file_size)
     return entries
+
+
+def parse_json(path: Path, raw: bytes, what: str) -> object:
+    """JSON read from a checkpoint, strictly: UTF-8, no duplicate keys, bounded nesting and numbers.
+
+    Every failure (including Python's recursion and integer-size limits) is a
+    :class:`CorruptCheckpointError` naming the file, never another exception.
+    """
+
+    def unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        keys = [key for key, _ in pairs]
+        if len(set(keys)) != len(keys):
+            duplicates = sorted({key for key in keys if keys.count(key) > 1})[:5]
+            raise CorruptCheckpointError(f"{path}: {what} repeats the key(s) {duplicates}")
+        return dict(pairs)
+
+    try:
+        return json.loads(raw, object_pairs_hook=unique)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as error:
+        detail = str(error)[:200]
+        raise CorruptCheckpointError(f"{path}: {what} is not valid JSON ({type(error).__name__}: {detail})") from None
+
+
+def _check_metadata(path: Path, metadata: object) -> None:
+    """``__metadata__`` is a string → string object, as the safetensors format defines it."""
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptCheckpointError(f"{path}: __metadata__ must map strings to strings")
 
 
 def _validated_entry(path: Path, key: str, info: object, data_start: int, file_size: int) -> TensorEntry:
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
         raise CorruptCheckpointError(f"{path}: tensor {key!r} lacks dtype/shape/data_offsets")
-    dtype = _DTYPES.get(info["dtype"])
+    dtype = _DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
     if dtype is None:
         raise CorruptCheckpointError(f"{path}: tensor {key!r} has unsupported dtype {info['dtype']!r}")
     shape, offsets = info["shape"], info["data_offsets"]
@@ -117,12 +138,17 @@ def _validated_entry(path: Path, key: str, info: object, data_start: int, file_s
     return TensorEntry(path, key, dtype, tuple(shape), data_start + offsets[0], nbytes)
 
 
-def _check_no_overlap(path: Path, entries: dict[str, TensorEntry]) -> None:
-    previous_end, previous_key = None, None
-    for entry in sorted(entries.values(), key=lambda e: e.start):
-        if previous_end is not None and entry.start < previous_end and entry.nbytes:
-            raise CorruptCheckpointError(f"{path}: tensors {previous_key!r} and {entry.key!r} overlap")
-        previous_end, previous_key = entry.start + entry.nbytes, entry.key
+def _check_contiguous(path: Path, entries: dict[str, TensorEntry], data_start: int, file_size: int) -> None:
+    """Tensor bytes follow each other exactly, from the header's end to the file's end: no overlap
+    (zero-size tensors included), no gap, nothing trailing — as the reference parser requires."""
+    expected, previous = data_start, "the header"
+    for entry in sorted(entries.values(), key=lambda e: (e.start, e.nbytes)):
+        if entry.start != expected:
+            how = "overlap" if entry.start < expected else "leave a gap between them"
+            raise CorruptCheckpointError(f"{path}: tensors {previous} and {entry.key!r} {how}")
+        expected, previous = entry.start + entry.nbytes, repr(entry.key)
+    if expected != file_size:
+        raise CorruptCheckpointError(f"{path}: {file_size - expected} byte(s) after the last tensor")
 
 
 class BlockReader:
