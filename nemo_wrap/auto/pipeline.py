@@ -29,7 +29,7 @@ from nemo_wrap.loading.provenance import Initialized, LoadReport, Provenance, Ti
 from nemo_wrap.loading.read import checkpoint_shapes, matches_any, read_into_model
 from nemo_wrap.loading.verify import verify_load
 from nemo_wrap.models.registry import ModelSource
-from nemo_wrap.state_dict import checkpoint_tensors
+from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors
 
 logger = logging.getLogger("nemo_wrap")
 
@@ -52,6 +52,7 @@ class LoadPipeline:
     used_keys: set[str] = field(default_factory=set)
     bytes_read: int = 0
     tp_plan: TensorParallelPlan | None = None
+    adapter: StateDictAdapter | None = None  # built once by the read, reused by verify
 
     @property
     def group(self) -> RankGroup:
@@ -91,7 +92,7 @@ class LoadPipeline:
     def read_checkpoint(self) -> None:
         assert self.checkpoint is not None  # the plan reads only when there is a checkpoint
         checkpoint = self.checkpoint
-        adapter = self.source.spec.adapter(self.model, checkpoint_shapes(checkpoint))
+        adapter = self.adapter = self.source.spec.adapter(self.model, checkpoint_shapes(checkpoint))
 
         def read() -> tuple[dict[str, Provenance], set[str], int]:
             with BlockReader() as reader:
@@ -121,10 +122,9 @@ class LoadPipeline:
     def audit(self) -> None:
         report = LoadReport(self.plan, self.provenance, self._unexpected_keys(), self.bytes_read)
         self.model.load_report = report
-        if self.verify and self.checkpoint is not None:
+        if self.verify and self.checkpoint is not None and self.adapter is not None:
             distinct, _ = checkpoint_tensors(self.model)
-            adapter = self.source.spec.adapter(self.model, checkpoint_shapes(self.checkpoint))
-            verify_load(distinct, self.provenance, adapter, self.checkpoint, self.group)
+            verify_load(distinct, self.provenance, self.adapter, self.checkpoint, self.group)
             report.verified = True
         self._raise_if_incomplete(report)
         if self.group.is_writer:

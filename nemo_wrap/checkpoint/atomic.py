@@ -54,10 +54,13 @@ def replace_directory(staged: Path, target: Path) -> None:
         _merge(staged, target)
 
 
+def _is_weight_file(name: str) -> bool:
+    return any(fnmatch(name, pattern) for pattern in _WEIGHT_FILES)
+
+
 def _holds_only_a_checkpoint(target: Path, new_files: set[str]) -> bool:
     return all(
-        entry.is_file() and (entry.name in new_files or any(fnmatch(entry.name, p) for p in _WEIGHT_FILES))
-        for entry in target.iterdir()
+        entry.is_file() and (entry.name in new_files or _is_weight_file(entry.name)) for entry in target.iterdir()
     )
 
 
@@ -82,7 +85,7 @@ def _merge(staged: Path, target: Path) -> None:
     """Move ``staged``'s files into ``target``, dropping its stale weight files, keeping the rest."""
     new_files = {p.name for p in staged.iterdir()}
     for entry in target.iterdir():
-        if entry.is_file() and entry.name not in new_files and any(fnmatch(entry.name, p) for p in _WEIGHT_FILES):
+        if entry.is_file() and entry.name not in new_files and _is_weight_file(entry.name):
             entry.unlink()
     for name in sorted(new_files):
         os.replace(staged / name, target / name)

@@ -164,6 +164,8 @@ def _converted_blocks(group: _Group, shapes: Shapes) -> list[SourceBlock]:
     operations = group.converter.operations
     merged = isinstance(operations[0], MergeModulelist)
     concat_dim = next((op.dim for op in operations if isinstance(op, Concatenate)), None)
+    # the concatenation dim counted in the checkpoint tensor, which lacks the stacked expert dim
+    position = None if concat_dim is None else concat_dim - 1 if merged else concat_dim
     blocks = []
     offset = 0
     for pattern in group.converter.source_patterns:
@@ -171,13 +173,11 @@ def _converted_blocks(group: _Group, shapes: Shapes) -> list[SourceBlock]:
         for index, key in enumerate(keys):
             source = whole(shapes[key])
             target = list(source)
-            if concat_dim is not None:
-                position = concat_dim - 1 if merged else concat_dim
-                size = shapes[key][position]
-                target[position] = slice(offset, offset + size)
+            if position is not None:
+                target[position] = slice(offset, offset + shapes[key][position])
             if merged:
                 target = [slice(index, index + 1), *target]
             blocks.append(SourceBlock(key, tuple(target), source))
-        if concat_dim is not None and keys:
-            offset += shapes[keys[0]][concat_dim - 1 if merged else concat_dim]
+        if position is not None and keys:
+            offset += shapes[keys[0]][position]
     return blocks
