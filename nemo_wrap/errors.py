@@ -6,6 +6,18 @@ text; each message names the argument, file or key at fault.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+_NAMES_SHOWN = 20
+
+
+def summarize(names: Iterable[str], limit: int = _NAMES_SHOWN) -> str:
+    """``names`` for an error message, the first ``limit`` of them then a count: a header with a
+    million keys must not make a 10 MB message."""
+    listed = list(names)
+    shown = ", ".join(repr(name) for name in listed[:limit])
+    return shown if len(listed) <= limit else f"{shown} and {len(listed) - limit} more"
+
 
 class NeMoWrapError(Exception):
     """Base class of every error raised deliberately by nemo_wrap."""

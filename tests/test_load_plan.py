@@ -59,10 +59,17 @@ def test_plan_prints_as_a_short_explanation():
     assert len(text.splitlines()) <= 12
 
 
-def test_plan_of_a_checkpoint_reads_no_weights(tmp_path):
-    """plan() for a 2-rank setup, from one process, on a checkpoint whose weights are garbage."""
+def test_plan_of_a_checkpoint_reads_no_weights(tmp_path, monkeypatch):
+    """plan() for a 2-rank setup, from one process: headers only (the weights are garbage)."""
     path = write_checkpoint(tmp_path / "ckpt", "llama", "half", tie=False)
-    (path / "model.safetensors").write_bytes(b"not a safetensors file")
+    raw = (path / "model.safetensors").read_bytes()
+    data_start = 8 + int.from_bytes(raw[:8], "little")
+    (path / "model.safetensors").write_bytes(raw[:data_start] + b"\xff" * (len(raw) - data_start))
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("plan() read a weight")
+
+    monkeypatch.setattr("nemo_wrap.checkpoint.safetensors_file.BlockReader.read_block_into", no_reads)
     setup = DistributedSetup.build("fsdp2", 2, tp_size=2)
     plan = NeMoAutoModelForCausalLM.plan(path, distributed_setup=setup, force_hf=True)
     assert plan.has_checkpoint and plan.strategy == "fsdp2" and plan.tp_size == 2

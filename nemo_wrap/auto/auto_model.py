@@ -16,11 +16,16 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from nemo_wrap.auto.classes import loadable_class
 from nemo_wrap.auto.pipeline import LoadPipeline, check_loadable
 from nemo_wrap.checkpoint.locate import Checkpoint, open_checkpoint, require_inside, resolve_checkpoint_directory
+from nemo_wrap.checkpoint.strict_json import read_json_file
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.distributed.setup import DistributedSetup
-from nemo_wrap.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidSetupError, UnsupportedModelError
+from nemo_wrap.errors import CheckpointNotFoundError, InvalidSetupError, UnsupportedModelError
 from nemo_wrap.loading.plan import LoadPlan, make_load_plan
 from nemo_wrap.models.registry import ModelSource, resolve_model_source
+
+_MAX_CONFIG_BYTES = 16 * 2**20  # configs are kilobytes; a few MB with large label maps
+# The dtypes a model can be built and trained in (torch's default dtype takes only these).
+_PARAMETER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class NeMoAutoModelForCausalLM:
@@ -35,19 +40,22 @@ class NeMoAutoModelForCausalLM:
         path_or_config: str | Path | PretrainedConfig,
         distributed_setup: DistributedSetup | None = None,
         force_hf: bool = False,
+        allow_pickle: bool = False,
     ) -> LoadPlan:
         """The load plan for a checkpoint directory (or a config: no checkpoint), reading no weights.
 
-        Raises what ``from_pretrained`` / ``from_config`` would raise before reading weights (tensor
-        parallel the model cannot take, checkpoint keys that cannot be mapped), with the same error.
+        Raises what ``from_pretrained`` / ``from_config`` would raise before reading weights (a
+        config that cannot be built, tensor parallel the model cannot take, checkpoint keys that
+        cannot be mapped), with the same error. Only the checkpoint's headers are read.
         """
         if isinstance(path_or_config, PretrainedConfig):
-            config, has_checkpoint = path_or_config, False
+            config, keys = path_or_config, None
         else:
-            config, has_checkpoint = _load_config(resolve_checkpoint_directory(path_or_config), {}), True
+            config, checkpoint = _open(path_or_config, allow_pickle, {}, RankGroup.local())
+            keys = list(checkpoint.entries or checkpoint.pickle_tensors or {})
         source = resolve_model_source(config, force_hf)
-        check_loadable(source, config, distributed_setup, has_checkpoint)  # the load's own refusals
-        return _make_plan(source, config, distributed_setup, has_checkpoint)
+        check_loadable(source, config, distributed_setup, keys)  # the load's own refusals
+        return _make_plan(source, config, distributed_setup, has_checkpoint=keys is not None)
 
     @classmethod
     def model_class(cls, config: PretrainedConfig, force_hf: bool = False) -> type[PreTrainedModel]:
@@ -132,24 +140,23 @@ def _open(
 def _load_config(directory: Path, overrides: dict[str, Any]) -> PretrainedConfig:
     """The checkpoint's config with ``overrides`` applied; a keyword that is no config attribute
     (a misspelt argument, say) raises instead of vanishing."""
-    if not (directory / "config.json").is_file():
+    config_path = directory / "config.json"
+    if not config_path.is_file():
         raise CheckpointNotFoundError(f"{directory}: no config.json")
     require_inside(directory, "config.json")
+    read_json_file(config_path, "config", _MAX_CONFIG_BYTES)  # strict and bounded, before transformers parses it
     try:
         config, unused = AutoConfig.from_pretrained(
             directory, trust_remote_code=False, return_unused_kwargs=True, **overrides
         )
-    except ValueError as error:
-        raise UnsupportedModelError(f"{directory / 'config.json'}: {str(error)[:300]}") from error
-    except (OSError, TypeError, KeyError, AttributeError, RecursionError) as error:  # malformed files
-        raise CorruptCheckpointError(
-            f"{directory / 'config.json'}: cannot be read as a transformers config "
-            f"({type(error).__name__}: {str(error)[:200]})"
+    except Exception as error:  # the JSON is valid (read above): transformers refuses a value in it
+        raise UnsupportedModelError(
+            f"{config_path}: transformers refuses this config ({type(error).__name__}: {str(error)[:300]})"
         ) from error
     if unused:
         raise InvalidSetupError(
             f"from_pretrained: unknown keyword argument(s) {sorted(unused)}: neither an argument of "
-            f"from_pretrained nor an attribute of {type(config).__name__} ({directory / 'config.json'})"
+            f"from_pretrained nor an attribute of {type(config).__name__} ({config_path})"
         )
     return config
 
@@ -160,16 +167,17 @@ def _resolve_dtype(
     """``None``/``"auto"``: the checkpoint's floating dtype (else the config's, else float32)."""
     if dtype is None or dtype == "auto":
         floating = _checkpoint_floating_dtypes(checkpoint)
-        if floating:
-            return max(set(floating), key=floating.count)
-        dtype = getattr(config, "dtype", None) or torch.float32
+        dtype = max(set(floating), key=floating.count) if floating else getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):
             raise InvalidSetupError(f"dtype={dtype!r} is not a torch dtype name")
         dtype = resolved
-    if not isinstance(dtype, torch.dtype):
-        raise InvalidSetupError(f"dtype must be a torch.dtype, a dtype name, 'auto' or None; got {dtype!r}")
+    if dtype not in _PARAMETER_DTYPES:
+        raise InvalidSetupError(
+            f"dtype={dtype!r}: parameters are built in one of {[str(d) for d in _PARAMETER_DTYPES]} "
+            "(float8 and integer weights need a quantization library), or pass 'auto' or None"
+        )
     return dtype
 
 

@@ -8,7 +8,7 @@ holds what the steps hand to each other. Each step is one short method.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,15 +19,21 @@ from transformers import PretrainedConfig, PreTrainedModel
 from nemo_wrap.auto.classes import loadable_class
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
-from nemo_wrap.distributed.collectives import RankGroup, collective_device
+from nemo_wrap.distributed.collectives import RankGroup, collective_device, device_memory_bytes
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.distributed.sharding import shard_model
 from nemo_wrap.distributed.tensor_parallel import TensorParallelPlan, check_tensor_parallel_supported
-from nemo_wrap.errors import MissingWeightsError, UnexpectedKeysError
+from nemo_wrap.errors import MissingWeightsError, NeMoWrapError, UnexpectedKeysError, UnsupportedModelError, summarize
 from nemo_wrap.loading.plan import LoadPlan, Step
 from nemo_wrap.loading.provenance import Initialized, LoadReport, Provenance, Tied
 from nemo_wrap.loading.read import checkpoint_shapes, matches_any, read_into_model
 from nemo_wrap.loading.verify import verify_load
+from nemo_wrap.models.config_checks import (
+    check_config_sizes,
+    check_layer_count,
+    check_size_budget,
+    describe_config,
+)
 from nemo_wrap.models.registry import ModelSource
 from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors
 
@@ -77,7 +83,11 @@ class LoadPipeline:
         """Local checks every rank makes alike, before any allocation or collective."""
         if self.setup is not None:
             self.setup.entry.check_available()
-        self.tp_plan = check_loadable(self.source, self.config, self.setup, self.checkpoint is not None)
+        keys = None if self.checkpoint is None else checkpoint_shapes(self.checkpoint).keys()
+        self.tp_plan = check_loadable(self.source, self.config, self.setup, keys)
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        shards = 1 if self.setup is None else self.setup.parameter_shards
+        check_size_budget(self.config, element_size, shards, device_memory_bytes(collective_device()))
 
     def build_on_meta(self) -> None:
         self.model = build_on_meta(loadable_class(self.source), self.config, self.dtype)
@@ -143,17 +153,20 @@ class LoadPipeline:
         if missing:
             raise MissingWeightsError(
                 f"{where}: {len(missing)} parameter(s) are neither in the checkpoint nor "
-                f"tied or allowed to be initialized (pass strict=False to initialize them): {', '.join(missing)}"
+                f"tied or allowed to be initialized (pass strict=False to initialize them): {summarize(missing)}"
             )
         if report.unexpected_keys and self.strict:
             raise UnexpectedKeysError(
                 f"{where}: {len(report.unexpected_keys)} checkpoint tensor(s) fill no parameter of "
-                f"{self.plan.model_class} (pass strict=False to ignore them): {', '.join(report.unexpected_keys)}"
+                f"{self.plan.model_class} (pass strict=False to ignore them): {summarize(report.unexpected_keys)}"
             )
 
 
 def check_loadable(
-    source: ModelSource, config: PretrainedConfig, setup: DistributedSetup | None, has_checkpoint: bool
+    source: ModelSource,
+    config: PretrainedConfig,
+    setup: DistributedSetup | None,
+    checkpoint_keys: Collection[str] | None,
 ) -> TensorParallelPlan | None:
     """What a load would refuse before reading any weight, and the tensor-parallel plan it would apply.
 
@@ -161,7 +174,9 @@ def check_loadable(
     the same error. (Whether the strategy can run on this machine is the load's check alone: a plan
     may describe a job for another machine.)
     """
-    if has_checkpoint:
+    check_config_sizes(config)
+    if checkpoint_keys is not None:
+        check_layer_count(config, loadable_class(source), checkpoint_keys)
         source.spec.check_checkpoint_keys(source.architecture, config.model_type)
     if setup is None or not setup.uses_tensor_parallel:
         return None
@@ -177,6 +192,13 @@ def build_on_meta(model_class: type[PreTrainedModel], config: PretrainedConfig, 
     try:
         with torch.device("meta"):
             model = model_class(config)
+    except NeMoWrapError:
+        raise
+    except Exception as error:  # on meta, nothing but the config can fail: an activation name, a rope type, …
+        raise UnsupportedModelError(
+            f"{describe_config(config)}: {model_class.__name__} cannot be built from this config "
+            f"({type(error).__name__}: {str(error)[:200]})"
+        ) from error
     finally:
         torch.set_default_dtype(previous)
     model.config.dtype = dtype

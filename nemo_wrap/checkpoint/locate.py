@@ -15,7 +15,8 @@ from typing import cast
 
 import torch
 
-from nemo_wrap.checkpoint.safetensors_file import TensorEntry, parse_json, read_header
+from nemo_wrap.checkpoint.safetensors_file import TensorEntry, read_header
+from nemo_wrap.checkpoint.strict_json import read_json_file
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.errors import (
     CheckpointNotFoundError,
@@ -26,7 +27,8 @@ from nemo_wrap.errors import (
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
-_MAX_INDEX_BYTES = 64 * 2**20  # a million keys with long names fit; anything larger is no index
+_MAX_NAME = 4096  # PATH_MAX on Linux: a longer shard name cannot be a file
+_MAX_INDEX_BYTES = 32 * 2**20  # ~300,000 keys; the largest published indexes hold ~100,000
 
 
 @dataclass(frozen=True)
@@ -44,11 +46,16 @@ def resolve_checkpoint_directory(path_or_id: str | Path, group: RankGroup | None
     In a collective ``group`` the local rank 0 of each node downloads while the others wait; a
     process on its own (the default) fetches for itself.
     """
+    if not isinstance(path_or_id, (str, os.PathLike)) or not str(path_or_id):
+        raise CheckpointNotFoundError(f"expected a checkpoint directory or hub id, got {path_or_id!r}")
     path = Path(path_or_id).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise CheckpointNotFoundError(f"{path}: is a file; pass the checkpoint directory")
+    try:
+        if path.is_dir():
+            return path
+        if path.exists():
+            raise CheckpointNotFoundError(f"{path}: is a file; pass the checkpoint directory")
+    except OSError as error:  # a name too long, say
+        raise CheckpointNotFoundError(f"{str(path)[:200]}: cannot be opened ({error.strerror})") from error
     text = str(path_or_id)
     if text.count("/") != 1 or text.startswith((".", "/", "~")):
         raise CheckpointNotFoundError(f"{path_or_id}: no such directory (and not a hub id of the form 'org/name')")
@@ -58,7 +65,7 @@ def resolve_checkpoint_directory(path_or_id: str | Path, group: RankGroup | None
 def _from_hub_cache(repo_id: str, group: RankGroup) -> Path:
     import torch.distributed as dist
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]
     distributed = group.collective
@@ -68,14 +75,14 @@ def _from_hub_cache(repo_id: str, group: RankGroup) -> Path:
     if local_rank == 0:
         try:
             directory = snapshot_download(repo_id, allow_patterns=patterns)
-        except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as caught:
+        except (LocalEntryNotFoundError, HfHubHTTPError, HFValidationError, OSError) as caught:
             error = caught
     if distributed:
         dist.barrier()  # the others wait for the local rank 0's download
     if local_rank != 0:
         try:
             directory = snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
-        except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as caught:
+        except (LocalEntryNotFoundError, HfHubHTTPError, HFValidationError, OSError) as caught:
             error = caught
     if error is not None:
         raise CheckpointNotFoundError(f"{repo_id}: not a local directory, and the hub cache has no copy ({error})")
@@ -107,15 +114,15 @@ def open_checkpoint(directory: Path, allow_pickle: bool = False) -> Checkpoint:
 
 def _weight_map(index_path: Path) -> dict[str, str]:
     """An index file's key → shard file map, validated as JSON of the right shape and size."""
-    if index_path.stat().st_size > _MAX_INDEX_BYTES:
-        raise CorruptCheckpointError(f"{index_path}: larger than {_MAX_INDEX_BYTES} bytes; not an index")
-    index = parse_json(index_path, index_path.read_bytes(), "index")
+    index = read_json_file(index_path, "index", _MAX_INDEX_BYTES)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise CorruptCheckpointError(f"{index_path}: not a valid index (needs a 'weight_map' object)")
     for key, file_name in weight_map.items():
-        if not isinstance(file_name, str) or not file_name or "\0" in file_name:
-            raise CorruptCheckpointError(f"{index_path}: key {key!r} names an invalid shard file {file_name!r}")
+        if not isinstance(file_name, str) or not file_name or "\0" in file_name or len(file_name) > _MAX_NAME:
+            raise CorruptCheckpointError(
+                f"{index_path}: key {key[:200]!r} names an invalid shard file {repr(file_name)[:200]}"
+            )
     return weight_map
 
 
@@ -126,11 +133,19 @@ def _shard_path(index_path: Path, file_name: str, key: str) -> Path:
         raise UnsafeCheckpointError(
             f"{index_path}: shard {file_name!r} of key {key!r} escapes the checkpoint directory"
         )
-    if not shard.is_file():
+    if not _is_regular_file(shard):
         raise CheckpointNotFoundError(
             f"{index_path}: names shard {file_name!r} (for key {key!r}), which does not exist"
         )
     return shard.resolve()
+
+
+def _is_regular_file(path: Path) -> bool:
+    """A regular file (symlinks followed): not a FIFO, device or directory, nor an unusable name."""
+    try:
+        return path.is_file()
+    except OSError:  # a component longer than the file system allows
+        return False
 
 
 def require_inside(directory: Path, name: str) -> None:
@@ -146,13 +161,16 @@ def _inside(directory: Path, name: str) -> bool:
     for a Hugging Face cache snapshot (``<repo>/snapshots/<rev>/``, whose files are symlinks to
     ``<repo>/blobs/``), inside that repository's own ``blobs`` folder.
     """
-    root = directory.resolve()
-    if root not in Path(os.path.normpath(root / name)).parents:  # "../x" and absolute names
-        return False
-    allowed = [root]
-    if root.parent.name == "snapshots":
-        allowed.append((root.parent.parent / "blobs").resolve())
-    resolved = (directory / name).resolve()
+    try:
+        root = directory.resolve()
+        if root not in Path(os.path.normpath(root / name)).parents:  # "../x" and absolute names
+            return False
+        allowed = [root]
+        if root.parent.name == "snapshots":
+            allowed.append((root.parent.parent / "blobs").resolve())
+        resolved = (directory / name).resolve()
+    except (OSError, RuntimeError) as error:  # a name too long; a symlink loop (RuntimeError before 3.13)
+        raise CheckpointNotFoundError(f"{directory / name[:200]}: cannot be resolved ({error})"[:400]) from error
     return any(base in resolved.parents for base in allowed)
 
 

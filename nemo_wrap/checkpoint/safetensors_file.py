@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from nemo_wrap.checkpoint.strict_json import parse_json
 from nemo_wrap.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
@@ -38,7 +38,9 @@ _DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-_MAX_HEADER_BYTES = 100 * 2**20
+# The format allows 100 MB, which Python's json turns into gigabytes. 16 MiB is ~150,000 tensors in
+# one file; real shards hold hundreds to a few thousand.
+_MAX_HEADER_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,14 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
                     f"{path}: truncated safetensors file ({file_size} bytes, no header length)"
                 )
             header_size = int.from_bytes(prefix, "little")
-            if header_size > min(_MAX_HEADER_BYTES, file_size - 8):
+            if header_size > file_size - 8:
                 raise CorruptCheckpointError(
                     f"{path}: header length {header_size} exceeds the file ({file_size} bytes): "
                     "truncated or not safetensors"
+                )
+            if header_size > _MAX_HEADER_BYTES:
+                raise CorruptCheckpointError(
+                    f"{path}: header of {header_size} bytes exceeds the {_MAX_HEADER_BYTES >> 20} MiB limit"
                 )
             raw = handle.read(header_size)
     except OSError as error:
@@ -80,27 +86,6 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
     entries = {key: _validated_entry(path, key, info, data_start, file_size) for key, info in header.items()}
     _check_contiguous(path, entries, data_start, file_size)
     return entries
-
-
-def parse_json(path: Path, raw: bytes, what: str) -> object:
-    """JSON read from a checkpoint, strictly: UTF-8, no duplicate keys, bounded nesting and numbers.
-
-    Every failure (including Python's recursion and integer-size limits) is a
-    :class:`CorruptCheckpointError` naming the file, never another exception.
-    """
-
-    def unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
-        keys = [key for key, _ in pairs]
-        if len(set(keys)) != len(keys):
-            duplicates = sorted({key for key in keys if keys.count(key) > 1})[:5]
-            raise CorruptCheckpointError(f"{path}: {what} repeats the key(s) {duplicates}")
-        return dict(pairs)
-
-    try:
-        return json.loads(raw, object_pairs_hook=unique)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as error:
-        detail = str(error)[:200]
-        raise CorruptCheckpointError(f"{path}: {what} is not valid JSON ({type(error).__name__}: {detail})") from None
 
 
 def _check_metadata(path: Path, metadata: object) -> None:

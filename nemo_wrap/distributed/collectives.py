@@ -7,6 +7,7 @@ raise — the failing rank with its own error, the others with an error that poi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -29,6 +30,13 @@ def collective_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The total memory of ``device``: the GPU's own, or this host's RAM for the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(frozen=True)

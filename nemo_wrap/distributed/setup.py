@@ -92,6 +92,11 @@ class DistributedSetup:
         return self.world_size // self.tp_size
 
     @property
+    def parameter_shards(self) -> int:
+        """Into how many pieces each parameter is split: over every rank under FSDP, else over tp."""
+        return self.world_size if self.entry.shards_parameters else self.tp_size
+
+    @property
     def uses_tensor_parallel(self) -> bool:
         return self.tp_size > 1
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from nemo_wrap.errors import summarize
 from nemo_wrap.loading.plan import LoadPlan
 
 
@@ -90,7 +91,7 @@ class LoadReport:
             f"{self.bytes_read:,} bytes read on this rank"
         ]
         if self.unexpected_keys:
-            lines.append(f"  unused checkpoint keys: {', '.join(self.unexpected_keys)}")
+            lines.append(f"  unused checkpoint keys: {summarize(self.unexpected_keys)}")
         if self.verified is not None:
             lines.append(
                 f"  verify: {'checksums of every tensor match the checkpoint' if self.verified else 'MISMATCH'}"

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
 from nemo_wrap.distributed.collectives import RankGroup, collective_device
-from nemo_wrap.errors import LoadVerificationError
+from nemo_wrap.errors import LoadVerificationError, summarize
 from nemo_wrap.initialization.geometry import ShardGeometry, local_shard, shard_geometry
 from nemo_wrap.loading.provenance import Loaded, Provenance
 from nemo_wrap.loading.read import CopyBlock, checkpoint_copier, fill_from_blocks
@@ -106,5 +106,5 @@ def verify_load(
     bad = [names[i] for i in torch.nonzero(wrong).flatten().tolist()]
     if bad:
         raise LoadVerificationError(
-            f"{checkpoint.directory}: {len(bad)} tensor(s) differ from the checkpoint after loading: {', '.join(bad)}"
+            f"{checkpoint.directory}: {len(bad)} tensor(s) differ from the checkpoint after loading: {summarize(bad)}"
         )

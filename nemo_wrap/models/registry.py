@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import transformers
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from nemo_wrap.errors import UnsupportedModelError
 from nemo_wrap.initialization import nemo_model_class
 from nemo_wrap.models import llama, qwen2, qwen3
+from nemo_wrap.models.config_checks import describe_config
 from nemo_wrap.models.declared_plans import DeclaredPlan, declares_a_plan
 from nemo_wrap.models.spec import ModelSpec
 
@@ -59,11 +62,26 @@ def _transformers_causal_lm_class(config: PretrainedConfig) -> type[PreTrainedMo
     mapping = AutoModelForCausalLM._model_mapping
     if type(config) not in mapping:
         raise UnsupportedModelError(
-            f"config of type {type(config).__name__} (model_type={getattr(config, 'model_type', None)!r}) "
+            f"{describe_config(config)}: model_type={getattr(config, 'model_type', None)!r} "
             "is not a causal LM known to transformers' AutoModelForCausalLM"
         )
     # transformers annotates ``_LazyAutoMapping.__getitem__`` as a pair, but it returns the model class.
     return mapping[type(config)]  # type: ignore[return-value]
+
+
+def _refuse_other_heads(architecture: str | None, config: PretrainedConfig) -> None:
+    """A config naming a transformers class with another head (``LlamaForSequenceClassification``,
+    ``LlamaModel``) describes weights saved for that head: building a causal LM from them would
+    invent an LM head. Names transformers does not know (remote code) fall back to the model type."""
+    if architecture is None or architecture in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        return
+    if any(architecture in spec.architectures for spec in MODEL_ARCH_MAPPING):
+        return
+    if hasattr(transformers, architecture):
+        raise UnsupportedModelError(
+            f"{describe_config(config)}: architectures names {architecture}, a transformers class that is "
+            "not a causal LM: its weights were saved for another head"
+        )
 
 
 def _transformers_spec(hf_class: type[PreTrainedModel]) -> ModelSpec:
@@ -76,7 +94,12 @@ def _transformers_spec(hf_class: type[PreTrainedModel]) -> ModelSpec:
 def resolve_model_source(config: PretrainedConfig, force_hf: bool = False) -> ModelSource:
     """Pick the implementation for ``config``: ours when registered (and not ``force_hf``), else HF's."""
     architectures = getattr(config, "architectures", None) or []
+    if not isinstance(architectures, (list, tuple)) or not all(isinstance(a, str) for a in architectures):
+        raise UnsupportedModelError(
+            f"{describe_config(config)}: architectures must be a list of class names, got {repr(architectures)[:100]}"
+        )
     architecture = architectures[0] if architectures else None
+    _refuse_other_heads(architecture, config)
     custom = None if force_hf else _find_spec(architecture, custom=True)
     if custom is not None and custom.model_class is not None and architecture is not None:
         return ModelSource(custom, custom.model_class, architecture, f"{architecture} has a registered implementation")
