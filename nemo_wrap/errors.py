@@ -162,3 +162,17 @@ class TrainingDataError(NeMoWrapError, ValueError):
 
 class TokenizerNotFoundError(NeMoWrapError, FileNotFoundError):
     """A checkpoint directory holds no tokenizer that transformers can load, and the job needs one."""
+
+
+class UnsupportedLoraOptionError(NeMoWrapError, ValueError):
+    """A ``LoraConfig`` sets something nemo_wrap does not implement (DoRA, rank patterns, a bias
+    mode, …), or targets a layer type other than ``nn.Linear``: refused rather than ignored."""
+
+
+class LoraTargetError(NeMoWrapError, LookupError):
+    """``target_modules`` matches no linear layer of the model."""
+
+
+class AdapterMismatchError(NeMoWrapError, ValueError):
+    """An adapter directory does not fit the model: another base architecture, other shapes, or
+    tensors that adapt nothing."""

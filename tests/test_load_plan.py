@@ -17,22 +17,25 @@ STRATEGIES = (None, "ddp", "fsdp2", "megatron_fsdp")
 
 
 def _all_plans():
-    for is_custom, strategy, world, tp, has_checkpoint in itertools.product(
-        (True, False), STRATEGIES, (1, 2, 4, 8), (1, 2, 4), (True, False)
+    for is_custom, strategy, world, tp, has_checkpoint, adapters in itertools.product(
+        (True, False), STRATEGIES, (1, 2, 4, 8), (1, 2, 4), (True, False), (None, "new", "file")
     ):
         if world % tp or (strategy in (None, "ddp", "megatron_fsdp") and tp > 1) or (strategy is None and world > 1):
             continue
-        yield make_load_plan("Model", is_custom, "why", strategy, world, tp, has_checkpoint)
+        if adapters == "file" and not has_checkpoint:
+            continue
+        yield make_load_plan("Model", is_custom, "why", strategy, world, tp, has_checkpoint, adapters=adapters)
 
 
 PLANS = list(_all_plans())
 
 
 def test_cross_product_is_large():
-    assert len(PLANS) == 2 * 2 * (1 + 4 + 4 + 9)  # custom × checkpoint × (none, ddp, megatron, fsdp2 setups)
+    # custom × (checkpoint × 3 adapter kinds + no checkpoint × 2) × (none, ddp, megatron, fsdp2 setups)
+    assert len(PLANS) == 2 * (3 + 2) * (1 + 4 + 4 + 9)
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.strategy}-w{p.world_size}-tp{p.tp_size}-{'ckpt' if p.has_checkpoint else 'none'}-{'custom' if p.is_custom else 'hf'}")
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.strategy}-w{p.world_size}-tp{p.tp_size}-{'ckpt' if p.has_checkpoint else 'none'}-{'custom' if p.is_custom else 'hf'}-lora-{p.adapters}")
 def test_every_plan_reads_the_checkpoint_exactly_once_after_its_storage_exists(plan):
     steps = list(plan.steps)
     assert plan.checkpoint_reads == (1 if plan.has_checkpoint else 0)
@@ -42,6 +45,9 @@ def test_every_plan_reads_the_checkpoint_exactly_once_after_its_storage_exists(p
     assert steps.count(Step.SHARD) == (0 if plan.strategy is None else 1)
     if plan.has_checkpoint:
         assert steps.index(Step.MATERIALIZE) < steps.index(Step.READ_CHECKPOINT) < steps.index(Step.INITIALIZE_REST)
+    assert steps.count(Step.ADD_ADAPTERS) == (plan.adapters is not None)
+    if plan.adapters is not None:  # adapters exist before anything is sharded or allocated
+        assert steps.index(Step.ADD_ADAPTERS) == 1 and "LoRA adapters" in str(plan)
     if plan.strategy == "fsdp2":  # shards on meta: each rank allocates and reads only its shard
         assert steps.index(Step.SHARD) < steps.index(Step.MATERIALIZE)
         assert "only the slices of its own shards" in plan.read_scope or not plan.has_checkpoint

@@ -8,19 +8,28 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+from peft import LoraConfig
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from nemo_wrap.auto.classes import loadable_class
+from nemo_wrap.auto.lora_steps import LoraRequest
 from nemo_wrap.auto.pipeline import LoadPipeline, check_loadable
 from nemo_wrap.checkpoint.locate import Checkpoint, open_checkpoint, require_inside, resolve_checkpoint_directory
+from nemo_wrap.checkpoint.peft_adapter import open_adapter
 from nemo_wrap.checkpoint.strict_json import read_json_file
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.distributed.setup import DistributedSetup
-from nemo_wrap.errors import CheckpointNotFoundError, InvalidSetupError, UnsupportedModelError
+from nemo_wrap.errors import (
+    CheckpointNotFoundError,
+    InvalidSetupError,
+    UnsupportedLoraOptionError,
+    UnsupportedModelError,
+)
 from nemo_wrap.loading.plan import LoadPlan, make_load_plan
+from nemo_wrap.models.lora import lora_settings
 from nemo_wrap.models.registry import ModelSource, resolve_model_source
 
 _MAX_CONFIG_BYTES = 16 * 2**20  # configs are kilobytes; a few MB with large label maps
@@ -73,6 +82,8 @@ class NeMoAutoModelForCausalLM:
         force_hf: bool = False,
         allow_pickle: bool = False,
         seed: int | None = None,
+        peft_config: LoraConfig | None = None,
+        adapter: str | Path | None = None,
         **config_overrides: Any,
     ) -> PreTrainedModel:
         """Load ``path`` (a checkpoint directory or hub id) sharded as ``distributed_setup`` says.
@@ -84,16 +95,23 @@ class NeMoAutoModelForCausalLM:
         :class:`MissingWeightsError` / :class:`UnexpectedKeysError` on every rank instead of
         initializing what the checkpoint lacks. ``verify`` re-reads the checkpoint and compares
         per-tensor checksums with what every rank holds. ``seed`` seeds whatever is initialized.
-        The result carries ``model.load_report``.
+        ``peft_config`` (a ``peft.LoraConfig``) adds new LoRA adapters and freezes the base;
+        ``adapter`` (a PEFT adapter directory) loads an existing one, trainable. The result carries
+        ``model.load_report``.
         """
         group = RankGroup.of(sharded=distributed_setup is not None)
         config, checkpoint = group.on_every_rank(
             "opening the checkpoint", lambda: _open(path, allow_pickle, config_overrides, group)
         )
+        lora = group.on_every_rank(
+            "opening the adapter", lambda: _lora_request(peft_config, adapter, distributed_setup)
+        )
         source = resolve_model_source(config, force_hf=force_hf)
-        plan = _make_plan(source, config, distributed_setup, has_checkpoint=True)
+        plan = _make_plan(source, config, distributed_setup, has_checkpoint=True, lora=lora)
         dtype = _resolve_dtype(dtype, config, checkpoint)
-        return LoadPipeline(plan, source, config, dtype, distributed_setup, seed, checkpoint, strict, verify).run()
+        pipeline = LoadPipeline(plan, source, config, dtype, distributed_setup, seed, checkpoint, strict, verify)
+        pipeline.lora = lora
+        return pipeline.run()
 
     @classmethod
     def from_config(
@@ -116,7 +134,11 @@ class NeMoAutoModelForCausalLM:
 
 
 def _make_plan(
-    source: ModelSource, config: PretrainedConfig, setup: DistributedSetup | None, has_checkpoint: bool
+    source: ModelSource,
+    config: PretrainedConfig,
+    setup: DistributedSetup | None,
+    has_checkpoint: bool,
+    lora: LoraRequest | None = None,
 ) -> LoadPlan:
     return make_load_plan(
         model_class=source.model_class.__name__,
@@ -127,7 +149,25 @@ def _make_plan(
         tp_size=1 if setup is None else setup.tp_size,
         has_checkpoint=has_checkpoint,
         key_mapping=source.spec.key_mapping(source.architecture, config.model_type),
+        adapters=None if lora is None else lora.plan_kind,
     )
+
+
+def _lora_request(
+    peft_config: LoraConfig | None, adapter: str | Path | None, setup: DistributedSetup | None
+) -> LoraRequest | None:
+    """New adapters from ``peft_config``, or the adapter directory ``adapter``; never both."""
+    if peft_config is None and adapter is None:
+        return None
+    if peft_config is not None and adapter is not None:
+        raise InvalidSetupError("from_pretrained: pass peft_config (new adapters) or adapter (a directory), not both")
+    if setup is not None and setup.uses_tensor_parallel:
+        raise UnsupportedLoraOptionError("LoRA adapters under tensor parallel are not supported yet; use tp_size=1")
+    if adapter is not None:
+        config, adapter_file = open_adapter(adapter)
+        return LoraRequest(config, adapter_file)
+    lora_settings(peft_config)  # refuses what it does not implement, before anything is built
+    return LoraRequest(cast(LoraConfig, peft_config))
 
 
 def _open(

@@ -14,18 +14,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
+from peft import LoraConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from nemo_wrap.checkpoint.peft_adapter import save_peft_adapter
 from nemo_wrap.checkpoint.save import DEFAULT_MAX_SHARD_SIZE, save_hf_checkpoint
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.errors import UnsupportedSaveOptionError
 from nemo_wrap.loading.provenance import LoadReport
+from nemo_wrap.models.lora import is_lora_parameter, peft_key
 from nemo_wrap.models.spec import ModelSpec
-from nemo_wrap.state_dict import StateDictAdapter
+from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -38,6 +41,7 @@ class ShardedModelMixin:
     model_spec: ClassVar[ModelSpec]
     hf_architecture: ClassVar[str]
     load_report: LoadReport | None = None  # set by from_pretrained / from_config
+    lora_config: LoraConfig | None = None  # set when the model carries LoRA adapters
 
     def state_dict_adapter(self) -> StateDictAdapter:
         """Between this model's parameter names and transformers' checkpoint keys."""
@@ -56,9 +60,13 @@ class ShardedModelMixin:
         save_original_format: bool = True,
         distributed_checkpoint: bool = False,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        merge_adapters: bool = False,
         **kwargs: Any,
     ) -> None:
         """Write a consolidated transformers checkpoint; transformers' signature, plus ``tokenizer``.
+
+        A model with LoRA adapters writes a PEFT adapter directory instead (the full adapter from
+        every strategy), which ``PeftModel.from_pretrained`` loads over transformers' class.
 
         transformers' own method cannot serve here: it names ``type(self)`` (``NeMo…``, ``FSDP…``)
         as the architecture, would write our fused keys, and on rank 0 alone under a process group
@@ -73,6 +81,9 @@ class ShardedModelMixin:
         group = RankGroup.of(sharded=_is_sharded(self))
         if not group.collective and not is_main_process:
             return
+        if getattr(self, "lora_config", None) is not None:
+            self._save_adapter(save_directory, group, merge_adapters)
+            return
         save_hf_checkpoint(
             self,  # type: ignore[arg-type]
             save_directory,
@@ -83,6 +94,14 @@ class ShardedModelMixin:
             max_shard_size=max_shard_size,
             tokenizer=tokenizer,
         )
+
+    def _save_adapter(self, save_directory: str | Path, group: RankGroup, merge_adapters: bool) -> None:
+        """The whole LoRA adapter, in PEFT's keys and format."""
+        if merge_adapters:
+            raise UnsupportedSaveOptionError("save_pretrained: merge_adapters=True is not implemented yet")
+        distinct, _ = checkpoint_tensors(self)  # type: ignore[arg-type]
+        lora = {peft_key(name): t for name, t in distinct.items() if is_lora_parameter(name)}
+        save_peft_adapter(lora, cast(LoraConfig, self.lora_config), save_directory, group)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' ``generate``, kept in lockstep across ranks when sharding needs it.

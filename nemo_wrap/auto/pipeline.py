@@ -17,13 +17,21 @@ import torch.distributed as dist
 from transformers import PretrainedConfig, PreTrainedModel
 
 from nemo_wrap.auto.classes import loadable_class
+from nemo_wrap.auto.lora_steps import LoraRequest, add_adapters, new_adapter_provenance, read_adapter_file
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
 from nemo_wrap.distributed.collectives import RankGroup, collective_device, device_memory_bytes
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.distributed.sharding import shard_model
 from nemo_wrap.distributed.tensor_parallel import TensorParallelPlan, check_tensor_parallel_supported
-from nemo_wrap.errors import MissingWeightsError, NeMoWrapError, UnexpectedKeysError, UnsupportedModelError, summarize
+from nemo_wrap.errors import (
+    AdapterMismatchError,
+    MissingWeightsError,
+    NeMoWrapError,
+    UnexpectedKeysError,
+    UnsupportedModelError,
+    summarize,
+)
 from nemo_wrap.loading.plan import LoadPlan, Step
 from nemo_wrap.loading.provenance import Initialized, LoadReport, Provenance, Tied
 from nemo_wrap.loading.read import checkpoint_shapes, matches_any, read_into_model
@@ -34,6 +42,8 @@ from nemo_wrap.models.config_checks import (
     check_size_budget,
     describe_config,
 )
+from nemo_wrap.models.lora import is_lora_parameter
+from nemo_wrap.models.lora.state_dict import AdapterFileAdapter, BaseWeightsAdapter
 from nemo_wrap.models.registry import ModelSource
 from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors
 
@@ -59,6 +69,8 @@ class LoadPipeline:
     bytes_read: int = 0
     tp_plan: TensorParallelPlan | None = None
     adapter: StateDictAdapter | None = None  # built once by the read, reused by verify
+    lora: LoraRequest | None = None
+    unused_adapter_keys: tuple[str, ...] = ()
 
     @property
     def group(self) -> RankGroup:
@@ -69,6 +81,7 @@ class LoadPipeline:
         self.check_preconditions()
         steps: dict[Step, Callable[[], None]] = {
             Step.BUILD_ON_META: self.build_on_meta,
+            Step.ADD_ADAPTERS: self.add_adapters,
             Step.SHARD: self.shard,
             Step.MATERIALIZE: self.materialize,
             Step.READ_CHECKPOINT: self.read_checkpoint,
@@ -92,6 +105,11 @@ class LoadPipeline:
     def build_on_meta(self) -> None:
         self.model = build_on_meta(loadable_class(self.source), self.config, self.dtype)
 
+    def add_adapters(self) -> None:
+        assert self.lora is not None  # the plan adds adapters only when LoRA was asked for
+        base_name = str(self.checkpoint.directory) if self.checkpoint is not None else ""
+        add_adapters(self.model, self.source, self.lora, base_name)
+
     def shard(self) -> None:
         assert self.setup is not None  # the plan has a shard step only with a setup
         self.model = shard_model(self.model, self.setup, self.tp_plan)
@@ -102,7 +120,8 @@ class LoadPipeline:
     def read_checkpoint(self) -> None:
         assert self.checkpoint is not None  # the plan reads only when there is a checkpoint
         checkpoint = self.checkpoint
-        adapter = self.adapter = self.source.spec.adapter(self.model, checkpoint_shapes(checkpoint))
+        adapter = self.source.spec.adapter(self.model, checkpoint_shapes(checkpoint))
+        adapter = self.adapter = adapter if self.lora is None else BaseWeightsAdapter(adapter)
 
         def read() -> tuple[dict[str, Provenance], set[str], int]:
             with BlockReader() as reader:
@@ -110,6 +129,17 @@ class LoadPipeline:
                 return provenance, used, sum(reader.bytes_read.values())
 
         self.provenance, self.used_keys, self.bytes_read = self.group.on_every_rank("reading the checkpoint", read)
+        if self.lora is not None and self.lora.adapter_file is not None:
+            self.read_adapter(self.lora.adapter_file)
+
+    def read_adapter(self, adapter_file: Checkpoint) -> None:
+        show = self.group.is_writer
+        provenance, used, read = self.group.on_every_rank(
+            "reading the adapter", lambda: read_adapter_file(self.model, adapter_file, show)
+        )
+        self.provenance.update(provenance)
+        self.bytes_read += read
+        self.unused_adapter_keys = tuple(sorted(set(adapter_file.entries) - used))
 
     def initialize_rest(self) -> None:
         loaded = {name for name, p in self.provenance.items() if p.kind in ("checkpoint", "tied")}
@@ -119,6 +149,8 @@ class LoadPipeline:
         distinct, tied = checkpoint_tensors(self.model)
         for target, source in tied.items():
             self.provenance.setdefault(target, Tied(source))
+        if self.lora is not None and self.lora.adapter_file is None:
+            new_adapter_provenance(self.provenance, list(distinct))
         for name in distinct:
             current = self.provenance.get(name)
             if current is None:
@@ -134,7 +166,11 @@ class LoadPipeline:
         self.model.load_report = report
         if self.verify and self.checkpoint is not None and self.adapter is not None:
             distinct, _ = checkpoint_tensors(self.model)
-            verify_load(distinct, self.provenance, self.adapter, self.checkpoint, self.group)
+            base = {name: t for name, t in distinct.items() if not is_lora_parameter(name)}
+            verify_load(base, self.provenance, self.adapter, self.checkpoint, self.group)
+            if self.lora is not None and self.lora.adapter_file is not None:
+                lora = {name: t for name, t in distinct.items() if is_lora_parameter(name)}
+                verify_load(lora, self.provenance, AdapterFileAdapter(), self.lora.adapter_file, self.group)
             report.verified = True
         self._raise_if_incomplete(report)
         if self.group.is_writer:
@@ -159,6 +195,11 @@ class LoadPipeline:
             raise UnexpectedKeysError(
                 f"{where}: {len(report.unexpected_keys)} checkpoint tensor(s) fill no parameter of "
                 f"{self.plan.model_class} (pass strict=False to ignore them): {summarize(report.unexpected_keys)}"
+            )
+        if self.unused_adapter_keys and self.strict and self.lora is not None and self.lora.adapter_file is not None:
+            raise AdapterMismatchError(
+                f"{self.lora.adapter_file.directory}: {len(self.unused_adapter_keys)} adapter tensor(s) adapt nothing "
+                f"in {self.plan.model_class} (pass strict=False to ignore them): {summarize(self.unused_adapter_keys)}"
             )
 
 

@@ -106,7 +106,7 @@ def _write_files(
     for filename, names in files.items():
         shard: dict[str, torch.Tensor] = {}
         for name in names:  # same order on every rank: each full_tensor() is a collective
-            full = _gather(tensors[name])
+            full = gather_full(tensors[name])
             if group.is_writer:
                 shard.update(to_hf(name, full))
             bar.update(1)
@@ -185,7 +185,8 @@ def _plan_files(tensors: dict[str, torch.Tensor], limit: int) -> dict[str, list[
     return {f"{stem}-{i:05d}-of-{len(groups):05d}.safetensors": group for i, group in enumerate(groups, start=1)}
 
 
-def _gather(tensor: torch.Tensor) -> torch.Tensor:
+def gather_full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on the CPU: every rank of a DTensor must call it, in the same order."""
     full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
     return full.detach().to("cpu").contiguous()
 

@@ -114,11 +114,15 @@ class NeMoPreTrainedModel(_MixinBase):
 
 
 def _walk(session: InitSession, module: nn.Module, qualname: str, owner: PreTrainedModel) -> None:
-    """Children first, each module under the rule of its nearest enclosing ``PreTrainedModel``."""
+    """Children first, each module under the rule of its nearest enclosing ``PreTrainedModel`` —
+    or its own ``init_own_parameters`` when it has one (LoRA adapters, which transformers' rules do
+    not know): run under the same session, so it is seeded and shard-aware too."""
     for name, child in module.named_children():
         child_owner = child if isinstance(child, PreTrainedModel) else owner
         _walk(session, child, f"{qualname}.{name}" if qualname else name, child_owner)
-    session.apply_rule(_class_rule(owner), module, qualname)
+    own_rule = getattr(module, "init_own_parameters", None)
+    rule = (lambda _: own_rule()) if callable(own_rule) else _class_rule(owner)
+    session.apply_rule(rule, module, qualname)
 
 
 def _class_rule(owner: PreTrainedModel) -> Callable[[nn.Module], None]:

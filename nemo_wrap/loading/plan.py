@@ -25,6 +25,7 @@ from nemo_wrap.distributed.strategies import strategy_entry
 
 class Step(str, Enum):
     BUILD_ON_META = "build on meta (architecture only, no weights, no init)"
+    ADD_ADAPTERS = "add LoRA adapters and freeze the base weights"
     SHARD = "shard"
     MATERIALIZE = "materialize (allocate each rank's storage)"
     READ_CHECKPOINT = "read the checkpoint into place"
@@ -48,6 +49,7 @@ class LoadPlan:
     has_checkpoint: bool
     steps: tuple[Step, ...]
     key_mapping: str = "transformers' keys as they are"
+    adapters: str | None = None  # None: no LoRA; "new": initialized; "file": read from an adapter directory
 
     @property
     def init_device(self) -> str:
@@ -105,6 +107,9 @@ class LoadPlan:
         if self.has_checkpoint:
             lines.append(f"  keys: {self.key_mapping}")
         lines.append(f"  initialize: {self.initialize_scope}")
+        if self.adapters is not None:
+            how = "read from the adapter directory" if self.adapters == "file" else "new, initialized as PEFT does"
+            lines.append(f"  LoRA adapters: {how}; only they are trainable")
         if self.strategy is not None:
             lines.append(f"  sharding: {self.shard_reason}")
         return "\n".join(lines)
@@ -119,11 +124,14 @@ def make_load_plan(
     tp_size: int,
     has_checkpoint: bool,
     key_mapping: str = "transformers' keys as they are",
+    adapters: str | None = None,
 ) -> LoadPlan:
     """The one place loading is decided. Pure: no I/O, no process group; strategy facts come from
     the strategy registry (static data)."""
     shard_first = strategy is not None and strategy_entry(strategy).shards_on_meta
     steps = [Step.BUILD_ON_META]
+    if adapters is not None:  # before sharding, so the adapters are sharded with their layers
+        steps.append(Step.ADD_ADAPTERS)
     steps += [Step.SHARD, Step.MATERIALIZE] if shard_first else [Step.MATERIALIZE]
     if has_checkpoint:
         steps.append(Step.READ_CHECKPOINT)
@@ -132,5 +140,14 @@ def make_load_plan(
         steps.append(Step.SHARD)
     steps.append(Step.AUDIT)
     return LoadPlan(
-        model_class, is_custom, source_reason, strategy, world_size, tp_size, has_checkpoint, tuple(steps), key_mapping
+        model_class,
+        is_custom,
+        source_reason,
+        strategy,
+        world_size,
+        tp_size,
+        has_checkpoint,
+        tuple(steps),
+        key_mapping,
+        adapters,
     )

@@ -1,0 +1,66 @@
+"""The load pipeline's LoRA steps: add adapters before sharding, read an adapter file after the base.
+
+Kept apart from :mod:`nemo_wrap.auto.pipeline` so the base load reads the same with or without
+LoRA; the pipeline calls these when its plan has adapters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from peft import LoraConfig
+from transformers import PreTrainedModel
+
+from nemo_wrap.checkpoint.locate import Checkpoint
+from nemo_wrap.checkpoint.safetensors_file import BlockReader
+from nemo_wrap.loading.provenance import Initialized, Provenance
+from nemo_wrap.loading.read import read_into_model
+from nemo_wrap.models.lora import add_lora, find_lora_targets, is_lora_parameter, lora_settings
+from nemo_wrap.models.lora.state_dict import AdapterFileAdapter
+from nemo_wrap.models.registry import ModelSource
+
+NEW_ADAPTER_RULE = "LoraPair.init_own_parameters (PEFT's init: lora_A uniform in ±1/sqrt(in), lora_B zero; seeded)"
+
+
+@dataclass(frozen=True)
+class LoraRequest:
+    """The LoRA a load adds: new adapters per ``config``, or the adapter in ``adapter_file``."""
+
+    config: LoraConfig
+    adapter_file: Checkpoint | None = None
+
+    @property
+    def plan_kind(self) -> str:
+        return "new" if self.adapter_file is None else "file"
+
+
+def add_adapters(model: PreTrainedModel, source: ModelSource, request: LoraRequest, base_name: str) -> None:
+    """Attach the adapters ``request`` asks for (on meta, before sharding) and freeze the base.
+
+    Our fused classes are matched through their state-dict adapter (which rows are which
+    transformers projection); transformers' own classes by their module names as they are.
+    """
+    base_adapter = source.spec.adapter(model) if source.is_custom else None
+    resolved, targets = find_lora_targets(model, request.config, base_adapter)
+    add_lora(model, targets, lora_settings(request.config))
+    resolved.base_model_name_or_path = resolved.base_model_name_or_path or base_name
+    resolved.inference_mode = False
+    model.lora_config = resolved  # type: ignore[assignment]  # read by save_pretrained (ShardedModelMixin)
+
+
+def read_adapter_file(
+    model: PreTrainedModel, adapter_file: Checkpoint, show_progress: bool
+) -> tuple[dict[str, Provenance], set[str], int]:
+    """Each rank reads its slices of the LoRA tensors from the adapter file: their provenance, the
+    file's keys used, and the bytes read."""
+    with BlockReader() as reader:
+        provenance, used = read_into_model(model, adapter_file, reader, AdapterFileAdapter(), show_progress)
+        lora = {name: found for name, found in provenance.items() if is_lora_parameter(name)}
+        return lora, used, sum(reader.bytes_read.values())
+
+
+def new_adapter_provenance(provenance: dict[str, Provenance], names: list[str]) -> None:
+    """New adapters are initialized by their own rule, which is why they may be absent from files."""
+    for name in names:
+        if is_lora_parameter(name) and (provenance.get(name) is None or provenance[name].kind == "missing"):
+            provenance[name] = Initialized(NEW_ADAPTER_RULE, "a new LoRA adapter (peft_config)")

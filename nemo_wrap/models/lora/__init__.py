@@ -1,0 +1,26 @@
+"""LoRA adapters on our models, read and written in PEFT's names and format.
+
+PEFT's ``LoraConfig`` says what to adapt, in transformers' module names (``q_proj``, ``"all-linear"``,
+a regex). Our fused classes hold q/k/v in one ``qkv_proj`` and gate/up in one ``gate_up_proj``, so
+PEFT's own layers cannot be injected there by name; instead each adapted linear layer carries a
+:class:`~nemo_wrap.models.lora.layers.LoraAdapters` child with one low-rank pair per transformers
+projection it fuses, and adds their output to that projection's rows. The parameters are named so
+that PEFT's key of each is a string rewrite (:func:`~nemo_wrap.models.lora.targets.peft_key`), and
+they are ordinary parameters of the decoder layers: sharded, initialized and audited like the rest.
+"""
+
+from nemo_wrap.models.lora.layers import LoraAdapters, LoraPair
+from nemo_wrap.models.lora.settings import LoraSettings, lora_settings
+from nemo_wrap.models.lora.targets import LoraTarget, add_lora, find_lora_targets, is_lora_parameter, peft_key
+
+__all__ = [
+    "LoraAdapters",
+    "LoraPair",
+    "LoraSettings",
+    "LoraTarget",
+    "add_lora",
+    "find_lora_targets",
+    "is_lora_parameter",
+    "lora_settings",
+    "peft_key",
+]

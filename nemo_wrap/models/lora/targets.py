@@ -1,0 +1,131 @@
+"""Which linear layers get adapters, read in transformers' module names, and PEFT's key for each.
+
+A target is chosen as PEFT chooses it on transformers' own class — same ``target_modules`` rules
+(a list of name suffixes, a regex, ``"all-linear"``), same ``exclude_modules`` — but matched
+against the *parts* of our layers: the fused ``qkv_proj`` answers to ``q_proj``, ``k_proj`` and
+``v_proj``, each adapted on its own rows. So ``["q_proj", "v_proj"]`` adapts the same projections
+on our fused Llama as on transformers' Llama, and the adapter file names them the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from peft import LoraConfig
+from peft.tuners.tuners_utils import _ExcludedModule, check_target_module_exists
+from torch import nn
+from transformers import PreTrainedModel
+
+from nemo_wrap.errors import LoraTargetError, UnsupportedLoraOptionError, summarize
+from nemo_wrap.models.lora.layers import LoraAdapters, Placement, add_lora_output
+from nemo_wrap.models.lora.settings import LoraSettings
+from nemo_wrap.state_dict import StateDictAdapter
+
+_PAIRS = ".lora.pairs."  # our parameter names: <layer>.lora.pairs.<projection>.lora_A / lora_B
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """One adapted linear layer of ours and the transformers projections (name, our rows) it adapts."""
+
+    module: str
+    in_features: int
+    out_features: int
+    parts: tuple[tuple[str, Placement], ...]  # (transformers' module name, where its rows sit in ours)
+
+
+def find_lora_targets(
+    model: PreTrainedModel, config: LoraConfig, adapter: StateDictAdapter | None
+) -> tuple[LoraConfig, list[LoraTarget]]:
+    """The layers ``config`` adapts on ``model``, and ``config`` with ``"all-linear"`` spelt out (as
+    PEFT saves it). Raises :class:`LoraTargetError` when nothing matches."""
+    linears: dict[str, nn.Linear] = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    parts = {name: _parts(name, module, adapter) for name, module in linears.items()}
+    resolved = _spell_out_all_linear(config, model, parts)
+    _refuse_unadaptable(model, resolved, linears)
+    targets = []
+    for name, module in linears.items():
+        chosen = tuple((part, rows) for part, rows in parts[name] if _matches(resolved, part))
+        if chosen:
+            targets.append(LoraTarget(name, module.in_features, module.out_features, chosen))
+    if not targets:
+        names = sorted({part.rpartition(".")[2] for options in parts.values() for part, _ in options})
+        raise LoraTargetError(
+            f"LoraConfig target_modules={config.target_modules!r} matches no linear layer of "
+            f"{type(model).__name__} (its projections: {summarize(names)})"
+        )
+    return resolved, targets
+
+
+def add_lora(model: PreTrainedModel, targets: list[LoraTarget], settings: LoraSettings) -> None:
+    """Attach adapters to every target (on the model's device and dtype) and freeze everything else."""
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    for target in targets:
+        layer = model.get_submodule(target.module)
+        weight = layer.get_parameter("weight")
+        adapters = LoraAdapters(target.in_features, target.out_features, _short(target.parts), settings)
+        layer.add_module("lora", adapters.to(device=weight.device, dtype=weight.dtype))
+        layer.register_forward_hook(add_lora_output)
+
+
+def is_lora_parameter(name: str) -> bool:
+    return _PAIRS in name
+
+
+def peft_key(name: str) -> str:
+    """``model.layers.0.self_attn.qkv_proj.lora.pairs.q_proj.lora_A`` →
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` (PEFT's file key)."""
+    module, _, rest = name.partition(_PAIRS)
+    parent = module.rpartition(".")[0]
+    return f"base_model.model.{parent + '.' if parent else ''}{rest}.weight"
+
+
+def _parts(name: str, module: nn.Linear, adapter: StateDictAdapter | None) -> list[tuple[str, Placement]]:
+    """The transformers projections in ``module``'s rows — several for a fused layer, else itself —
+    each with where its rows sit in ours (from the state-dict adapter's blocks)."""
+    blocks = adapter.blocks(f"{name}.weight", tuple(module.weight.shape)) if adapter is not None else []
+    if len(blocks) <= 1:
+        rows = slice(0, module.out_features)
+        return [(name, ((rows, rows),))]
+    placements: dict[str, list[tuple[slice, slice]]] = {}
+    for block in blocks:
+        placements.setdefault(block.hf_key.removesuffix(".weight"), []).append((block.source[0], block.target[0]))
+    parent = name.rpartition(".")[0]
+    if any(part.rpartition(".")[0] != parent for part in placements):
+        raise UnsupportedLoraOptionError(f"{name}: its parts {sorted(placements)} are not its siblings")
+    return [(part, tuple(rows)) for part, rows in placements.items()]
+
+
+def _short(parts: tuple[tuple[str, Placement], ...]) -> list[tuple[str, Placement]]:
+    return [(name.rpartition(".")[2], rows) for name, rows in parts]
+
+
+def _spell_out_all_linear(
+    config: LoraConfig, model: PreTrainedModel, parts: dict[str, list[tuple[str, Placement]]]
+) -> LoraConfig:
+    """PEFT turns ``"all-linear"`` into the names of every linear projection but the output layer."""
+    if not (isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear"):
+        return config
+    output = model.get_output_embeddings()
+    output_names = {name for name, module in model.named_modules() if module is output}
+    names = {part.rpartition(".")[2] for options in parts.values() for part, _ in options if part not in output_names}
+    resolved = copy.deepcopy(config)
+    resolved.target_modules = names  # type: ignore[assignment]  # PEFT stores the spelt-out set itself
+    return resolved
+
+
+def _matches(config: LoraConfig, name: str) -> bool:
+    found = check_target_module_exists(config, name)
+    return bool(found) and not isinstance(found, _ExcludedModule)
+
+
+def _refuse_unadaptable(model: PreTrainedModel, config: LoraConfig, linears: dict[str, nn.Linear]) -> None:
+    """A target naming a layer that is not ``nn.Linear`` (GPT-2's ``Conv1D``, an embedding) would be
+    skipped in silence; PEFT would adapt it. Refuse instead."""
+    for name, module in model.named_modules():
+        if name and name not in linears and not list(module.children()) and _matches(config, name):
+            raise UnsupportedLoraOptionError(
+                f"target_modules matches {name}, a {type(module).__name__}: nemo_wrap adapts nn.Linear layers only"
+            )

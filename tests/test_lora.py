@@ -1,0 +1,151 @@
+"""LoRA through the audited pipeline: PEFT's names and numbers, under one process, ddp and fsdp2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from nemo_wrap import DistributedSetup
+from nemo_wrap.auto import NeMoAutoModelForCausalLM
+from nemo_wrap.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LoraTargetError,
+    ShapeMismatchError,
+    UnsupportedLoraOptionError,
+)
+from tests.checkpoints import write_checkpoint
+
+TARGETS = (["q_proj", "v_proj"], ["k_proj", "o_proj", "down_proj"], "all-linear")
+IDS = torch.arange(2 * 9).reshape(2, 9) * 7 % 257
+
+
+def _lora(targets=("q_proj", "v_proj"), **kwargs) -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules=list(targets) if not isinstance(targets, str) else targets, **kwargs)
+
+
+def _set_adapters(model, seed: int = 1) -> None:
+    """Distinct non-zero adapter values, the same for the same name on any strategy."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".lora." in name:
+                generator = torch.Generator().manual_seed(seed + sum(map(ord, name)))
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+
+
+@pytest.fixture(scope="module", params=["own-llama", "own-qwen2", "own-qwen3"])
+def base(request, tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp(request.param) / "base", request.param, "distinct", tie=False)
+
+
+@pytest.mark.parametrize("targets", TARGETS, ids=["q-v", "k-o-down", "all-linear"])
+def test_our_fused_class_with_lora_computes_what_peft_on_transformers_computes(base, targets, tmp_path):
+    ours = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(targets))
+    _set_adapters(ours)
+    ours.save_pretrained(tmp_path / "adapter")
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+    torch.testing.assert_close(ours(IDS).logits, reference(IDS).logits, atol=1e-5, rtol=0)
+    fresh_peft = get_peft_model(AutoModelForCausalLM.from_pretrained(base), _lora(targets))
+    trainable = [p.numel() for p in ours.parameters() if p.requires_grad]
+    assert sum(trainable) == sum(p.numel() for p in fresh_peft.parameters() if p.requires_grad)
+    assert all(".lora." in n for n, p in ours.named_parameters() if p.requires_grad)
+
+
+def test_a_new_adapter_changes_nothing_and_is_in_the_load_report(base):
+    plain = NeMoAutoModelForCausalLM.from_pretrained(base)
+    adapted = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(), seed=0)
+    torch.testing.assert_close(adapted(IDS).logits, plain(IDS).logits, atol=0, rtol=0)
+    report = adapted.load_report.provenance
+    names = [n for n in report if ".lora." in n]
+    assert len(names) == 2 * 2 * 2  # 2 layers × (q, v) × (A, B)
+    assert all(report[n].kind == "initialized" and "PEFT's init" in report[n].describe() for n in names)
+    a = dict(adapted.named_parameters())[names[0] if names[0].endswith("lora_A") else names[1]]
+    assert a.abs().max() > 0 and "LoRA adapters: new" in str(adapted.load_report.plan)
+
+
+# -- several ranks: the same adapter values, trained the same, saved whole, loadable by PEFT -------
+def _train_two_steps(model) -> list[float]:
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    losses = []
+    for _ in range(2):
+        loss = model(IDS, labels=IDS).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def case_train_and_save_lora(base: str, strategy: str, out: str) -> list[float]:
+    setup = DistributedSetup.build(strategy, dist.get_world_size())
+    model = NeMoAutoModelForCausalLM.from_pretrained(base, distributed_setup=setup, peft_config=_lora(TARGETS[2]), seed=0)
+    with torch.no_grad():  # a non-zero B, so training moves the logits from the first step
+        for name, parameter in model.named_parameters():
+            if name.endswith("lora_B"):
+                parameter.fill_(0.01)
+    losses = _train_two_steps(model)
+    model.save_pretrained(out)
+    return losses
+
+
+def case_load_adapter(base: str, strategy: str, adapter: str) -> list[float]:
+    setup = DistributedSetup.build(strategy, dist.get_world_size())
+    model = NeMoAutoModelForCausalLM.from_pretrained(base, distributed_setup=setup, adapter=adapter, verify=True)
+    assert all(p.requires_grad == (".lora." in n) for n, p in model.named_parameters())
+    return model(IDS).logits[0, :3, :5].tolist()
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_lora_trains_the_same_on_2_ranks_and_saves_an_adapter_peft_loads(ranks2, base, strategy, tmp_path):
+    single = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(TARGETS[2]), seed=0)
+    with torch.no_grad():
+        for name, parameter in single.named_parameters():
+            if name.endswith("lora_B"):
+                parameter.fill_(0.01)
+    expected_losses = _train_two_steps(single)
+    single.save_pretrained(tmp_path / "single")
+    losses = ranks2.run(case_train_and_save_lora, str(base), strategy, str(tmp_path / "ranks"), timeout=120)
+    for rank_losses in losses:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+    saved, reference = load_file(tmp_path / "ranks" / "adapter_model.safetensors"), load_file(tmp_path / "single" / "adapter_model.safetensors")
+    assert saved.keys() == reference.keys()
+    for key in saved:  # every element of every lora_A / lora_B: no slice-only save, no A/B swap
+        torch.testing.assert_close(saved[key], reference[key], rtol=1e-5, atol=1e-7)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "ranks")
+    torch.testing.assert_close(peft(IDS).logits, single(IDS).logits, atol=1e-5, rtol=0)
+    other = "ddp" if strategy == "fsdp2" else "fsdp2"  # back under the other strategy
+    logits = ranks2.run(case_load_adapter, str(base), other, str(tmp_path / "ranks"), timeout=120)
+    for rank_logits in logits:
+        torch.testing.assert_close(torch.tensor(rank_logits), peft(IDS).logits[0, :3, :5], atol=1e-5, rtol=0)
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def test_lora_bad_input_is_a_clear_error(tmp_path):
+    base = write_checkpoint(tmp_path / "base", "own-llama", "half", tie=False)
+    with pytest.raises(LoraTargetError, match="matches no linear layer"):
+        NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(["attention"]))
+    with pytest.raises(UnsupportedLoraOptionError, match="use_dora"):
+        NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(use_dora=True))
+    with pytest.raises(UnsupportedLoraOptionError, match="tensor parallel"):
+        NeMoAutoModelForCausalLM.from_pretrained(
+            base, distributed_setup=DistributedSetup.build("fsdp2", 2, tp_size=2), peft_config=_lora()
+        )
+    adapted = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora())
+    adapted.save_pretrained(tmp_path / "adapter")
+    (tmp_path / "adapter" / "adapter_model.safetensors").write_bytes(b"\x08" + bytes(7) + b"{not json")
+    with pytest.raises(CorruptCheckpointError, match="adapter_model.safetensors"):
+        NeMoAutoModelForCausalLM.from_pretrained(base, adapter=tmp_path / "adapter")
+    (tmp_path / "adapter" / "adapter_model.safetensors").unlink()
+    with pytest.raises(CheckpointNotFoundError, match="adapter_model.safetensors"):
+        NeMoAutoModelForCausalLM.from_pretrained(base, adapter=tmp_path / "adapter")
+    adapted.save_pretrained(tmp_path / "other-rank")
+    config = json.loads((tmp_path / "other-rank" / "adapter_config.json").read_text())
+    (tmp_path / "other-rank" / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
+    with pytest.raises(ShapeMismatchError, match="adapter_model.safetensors"):  # the file's tensors have r=4
+        NeMoAutoModelForCausalLM.from_pretrained(base, adapter=tmp_path / "other-rank")
