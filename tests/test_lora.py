@@ -149,3 +149,27 @@ def test_lora_bad_input_is_a_clear_error(tmp_path):
     (tmp_path / "other-rank" / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
     with pytest.raises(ShapeMismatchError, match="adapter_model.safetensors"):  # the file's tensors have r=4
         NeMoAutoModelForCausalLM.from_pretrained(base, adapter=tmp_path / "other-rank")
+
+
+def test_save_checkpoint_resumes_adapters_and_their_optimizer_state(tmp_path):
+    from nemo_wrap.checkpoint.resume import load_checkpoint, save_checkpoint
+
+    base = write_checkpoint(tmp_path / "base", "own-llama", "distinct", tie=False)
+
+    def fresh(seed):
+        model = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(TARGETS[2]), seed=seed)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    model, optimizer = fresh(0)
+    _train_two_steps(model)  # SGD moves the adapters; AdamW below carries state across the resume
+    model(IDS, labels=IDS).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    save_checkpoint(tmp_path / "resume", model, optimizer, 3)
+    resumed, resumed_optimizer = fresh(1)
+    assert load_checkpoint(tmp_path / "resume", resumed, resumed_optimizer) == 3
+    for run, opt in ((model, optimizer), (resumed, resumed_optimizer)):
+        run(IDS, labels=IDS).loss.backward()
+        opt.step()
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
