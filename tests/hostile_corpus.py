@@ -172,7 +172,7 @@ def _many_unused_tensors(path: Path) -> None:
     header, data = _header(path)
     parsed = json.loads(header)
     end = len(data)
-    parsed.update({f"extra.{i}": {"dtype": "F32", "shape": [0], "data_offsets": [end, end]} for i in range(100_000)})
+    parsed.update({f"extra.{i}": {"dtype": "F32", "shape": [0], "data_offsets": [end, end]} for i in range(50_000)})
     _write_header(path, json.dumps(parsed), data)
 
 
@@ -257,7 +257,7 @@ CASES = [
     Case("index-of-120MB", _huge_index, errors.CorruptCheckpointError, "model.safetensors.index.json"),
     Case("config-of-a-million-layers", _config(num_hidden_layers=10**6), errors.ShapeMismatchError, "num_hidden_layers"),
     Case("fifo-named-by-a-pickle-index", _pickle_index(_fifo_shard), errors.CheckpointNotFoundError, "shard.bin", {"allow_pickle": True}),
-    Case("a-hundred-thousand-unused-keys", _many_unused_tensors, errors.UnexpectedKeysError, "extra.0"),
+    Case("fifty-thousand-unused-keys", _many_unused_tensors, errors.UnexpectedKeysError, "extra.0"),
     # -- reading outside the directory before
     Case("pickle-index-parent-path", _pickle_index(lambda p: "../outside.bin"), errors.UnsafeCheckpointError, "pytorch_model.bin.index.json", {"allow_pickle": True}),
     Case("pickle-index-absolute-path", _pickle_index(lambda p: str(p.parent / "outside.bin")), errors.UnsafeCheckpointError, "pytorch_model.bin.index.json", {"allow_pickle": True}),
