@@ -20,6 +20,7 @@ from nemo_wrap.errors import (
     ShapeMismatchError,
     UnsupportedLoraOptionError,
 )
+from nemo_wrap.models.lora import is_lora_parameter
 from tests.checkpoints import write_checkpoint
 
 TARGETS = (["q_proj", "v_proj"], ["k_proj", "o_proj", "down_proj"], "all-linear")
@@ -34,12 +35,12 @@ def _set_adapters(model, seed: int = 1) -> None:
     """Distinct non-zero adapter values, the same for the same name on any strategy."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if ".lora." in name:
+            if is_lora_parameter(name):
                 generator = torch.Generator().manual_seed(seed + sum(map(ord, name)))
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
 
 
-@pytest.fixture(scope="module", params=["own-llama", "own-qwen2", "own-qwen3"])
+@pytest.fixture(scope="module", params=["own-llama", "own-qwen2", "own-qwen3", "mistral"])
 def base(request, tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp(request.param) / "base", request.param, "distinct", tie=False)
 
@@ -51,10 +52,13 @@ def test_our_fused_class_with_lora_computes_what_peft_on_transformers_computes(b
     ours.save_pretrained(tmp_path / "adapter")
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
     torch.testing.assert_close(ours(IDS).logits, reference(IDS).logits, atol=1e-5, rtol=0)
+    ours.save_pretrained(tmp_path / "merged", merge_adapters=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(merged(IDS).logits, reference(IDS).logits, atol=1e-5, rtol=0)
     fresh_peft = get_peft_model(AutoModelForCausalLM.from_pretrained(base), _lora(targets))
     trainable = [p.numel() for p in ours.parameters() if p.requires_grad]
     assert sum(trainable) == sum(p.numel() for p in fresh_peft.parameters() if p.requires_grad)
-    assert all(".lora." in n for n, p in ours.named_parameters() if p.requires_grad)
+    assert all(is_lora_parameter(n) for n, p in ours.named_parameters() if p.requires_grad)
 
 
 def test_a_new_adapter_changes_nothing_and_is_in_the_load_report(base):
@@ -62,7 +66,7 @@ def test_a_new_adapter_changes_nothing_and_is_in_the_load_report(base):
     adapted = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(), seed=0)
     torch.testing.assert_close(adapted(IDS).logits, plain(IDS).logits, atol=0, rtol=0)
     report = adapted.load_report.provenance
-    names = [n for n in report if ".lora." in n]
+    names = [n for n in report if is_lora_parameter(n)]
     assert len(names) == 2 * 2 * 2  # 2 layers × (q, v) × (A, B)
     assert all(report[n].kind == "initialized" and "PEFT's init" in report[n].describe() for n in names)
     a = dict(adapted.named_parameters())[names[0] if names[0].endswith("lora_A") else names[1]]
@@ -76,14 +80,25 @@ def _train_two_steps(model) -> list[float]:
     for _ in range(2):
         loss = model(IDS, labels=IDS).loss
         loss.backward()
+        assert all(p.grad is None for n, p in model.named_parameters() if not is_lora_parameter(n))  # frozen
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
 
 
+def _setup(strategy: str) -> DistributedSetup:
+    """``"tp"``: tensor parallel over every rank; ``"2x2"``: fsdp2 over 2 × tp 2; else the strategy."""
+    world = dist.get_world_size()
+    if strategy == "tp":
+        return DistributedSetup.build("fsdp2", world, tp_size=world)
+    if strategy == "2x2":
+        return DistributedSetup.build("fsdp2", world, tp_size=2)
+    return DistributedSetup.build(strategy, world)
+
+
 def case_train_and_save_lora(base: str, strategy: str, out: str) -> list[float]:
-    setup = DistributedSetup.build(strategy, dist.get_world_size())
+    setup = _setup(strategy)
     model = NeMoAutoModelForCausalLM.from_pretrained(base, distributed_setup=setup, peft_config=_lora(TARGETS[2]), seed=0)
     with torch.no_grad():  # a non-zero B, so training moves the logits from the first step
         for name, parameter in model.named_parameters():
@@ -91,17 +106,18 @@ def case_train_and_save_lora(base: str, strategy: str, out: str) -> list[float]:
                 parameter.fill_(0.01)
     losses = _train_two_steps(model)
     model.save_pretrained(out)
+    model.save_pretrained(out + "-merged", merge_adapters=True)
     return losses
 
 
 def case_load_adapter(base: str, strategy: str, adapter: str) -> list[float]:
-    setup = DistributedSetup.build(strategy, dist.get_world_size())
+    setup = _setup(strategy)
     model = NeMoAutoModelForCausalLM.from_pretrained(base, distributed_setup=setup, adapter=adapter, verify=True)
-    assert all(p.requires_grad == (".lora." in n) for n, p in model.named_parameters())
+    assert all(p.requires_grad == is_lora_parameter(n) for n, p in model.named_parameters())
     return model(IDS).logits[0, :3, :5].tolist()
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp", "tp"])
 def test_lora_trains_the_same_on_2_ranks_and_saves_an_adapter_peft_loads(ranks2, base, strategy, tmp_path):
     single = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(TARGETS[2]), seed=0)
     with torch.no_grad():
@@ -119,10 +135,27 @@ def test_lora_trains_the_same_on_2_ranks_and_saves_an_adapter_peft_loads(ranks2,
         torch.testing.assert_close(saved[key], reference[key], rtol=1e-5, atol=1e-7)
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "ranks")
     torch.testing.assert_close(peft(IDS).logits, single(IDS).logits, atol=1e-5, rtol=0)
-    other = "ddp" if strategy == "fsdp2" else "fsdp2"  # back under the other strategy
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "ranks-merged")
+    torch.testing.assert_close(merged(IDS).logits, single(IDS).logits, atol=1e-5, rtol=0)
+    other = {"fsdp2": "tp", "ddp": "fsdp2", "tp": "ddp"}[strategy]  # back under another strategy
     logits = ranks2.run(case_load_adapter, str(base), other, str(tmp_path / "ranks"), timeout=120)
     for rank_logits in logits:
         torch.testing.assert_close(torch.tensor(rank_logits), peft(IDS).logits[0, :3, :5], atol=1e-5, rtol=0)
+
+
+def test_lora_on_a_2_by_2_mesh_trains_and_saves_like_one_process(ranks4, tmp_path):
+    base = write_checkpoint(tmp_path / "base", "own-qwen3", "distinct", tie=False)
+    single = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(TARGETS[2]), seed=0)
+    with torch.no_grad():
+        for name, parameter in single.named_parameters():
+            if name.endswith("lora_B"):
+                parameter.fill_(0.01)
+    expected_losses = _train_two_steps(single)
+    losses = ranks4.run(case_train_and_save_lora, str(base), "2x2", str(tmp_path / "ranks"), timeout=180)
+    for rank_losses in losses:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "ranks")
+    torch.testing.assert_close(peft(IDS).logits, single(IDS).logits, atol=1e-5, rtol=0)
 
 
 # -- bad input -------------------------------------------------------------------------------------
@@ -132,10 +165,6 @@ def test_lora_bad_input_is_a_clear_error(tmp_path):
         NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(["attention"]))
     with pytest.raises(UnsupportedLoraOptionError, match="use_dora"):
         NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(use_dora=True))
-    with pytest.raises(UnsupportedLoraOptionError, match="tensor parallel"):
-        NeMoAutoModelForCausalLM.from_pretrained(
-            base, distributed_setup=DistributedSetup.build("fsdp2", 2, tp_size=2), peft_config=_lora()
-        )
     adapted = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora())
     adapted.save_pretrained(tmp_path / "adapter")
     (tmp_path / "adapter" / "adapter_model.safetensors").write_bytes(b"\x08" + bytes(7) + b"{not json")

@@ -25,7 +25,6 @@ from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import (
     CheckpointNotFoundError,
     InvalidSetupError,
-    UnsupportedLoraOptionError,
     UnsupportedModelError,
 )
 from nemo_wrap.loading.plan import LoadPlan, make_load_plan
@@ -103,9 +102,7 @@ class NeMoAutoModelForCausalLM:
         config, checkpoint = group.on_every_rank(
             "opening the checkpoint", lambda: _open(path, allow_pickle, config_overrides, group)
         )
-        lora = group.on_every_rank(
-            "opening the adapter", lambda: _lora_request(peft_config, adapter, distributed_setup)
-        )
+        lora = group.on_every_rank("opening the adapter", lambda: _lora_request(peft_config, adapter))
         source = resolve_model_source(config, force_hf=force_hf)
         plan = _make_plan(source, config, distributed_setup, has_checkpoint=True, lora=lora)
         dtype = _resolve_dtype(dtype, config, checkpoint)
@@ -153,16 +150,12 @@ def _make_plan(
     )
 
 
-def _lora_request(
-    peft_config: LoraConfig | None, adapter: str | Path | None, setup: DistributedSetup | None
-) -> LoraRequest | None:
+def _lora_request(peft_config: LoraConfig | None, adapter: str | Path | None) -> LoraRequest | None:
     """New adapters from ``peft_config``, or the adapter directory ``adapter``; never both."""
     if peft_config is None and adapter is None:
         return None
     if peft_config is not None and adapter is not None:
         raise InvalidSetupError("from_pretrained: pass peft_config (new adapters) or adapter (a directory), not both")
-    if setup is not None and setup.uses_tensor_parallel:
-        raise UnsupportedLoraOptionError("LoRA adapters under tensor parallel are not supported yet; use tp_size=1")
     if adapter is not None:
         config, adapter_file = open_adapter(adapter)
         return LoraRequest(config, adapter_file)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from peft import LoraConfig
+from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import PreTrainedModel
 
 from nemo_wrap.checkpoint.locate import Checkpoint
@@ -34,18 +35,22 @@ class LoraRequest:
         return "new" if self.adapter_file is None else "file"
 
 
-def add_adapters(model: PreTrainedModel, source: ModelSource, request: LoraRequest, base_name: str) -> None:
-    """Attach the adapters ``request`` asks for (on meta, before sharding) and freeze the base.
+def add_adapters(
+    model: PreTrainedModel, source: ModelSource, request: LoraRequest, base_name: str
+) -> dict[str, ParallelStyle]:
+    """Attach the adapters ``request`` asks for (on meta, before sharding) and freeze the base;
+    return the tensor-parallel plan entries of the adapters (their gradients summed over tp).
 
     Our fused classes are matched through their state-dict adapter (which rows are which
     transformers projection); transformers' own classes by their module names as they are.
     """
     base_adapter = source.spec.adapter(model) if source.is_custom else None
     resolved, targets = find_lora_targets(model, request.config, base_adapter)
-    add_lora(model, targets, lora_settings(request.config))
+    tensor_parallel_entries = add_lora(model, targets, lora_settings(request.config))
     resolved.base_model_name_or_path = resolved.base_model_name_or_path or base_name
     resolved.inference_mode = False
     model.lora_config = resolved  # type: ignore[assignment]  # read by save_pretrained (ShardedModelMixin)
+    return tensor_parallel_entries
 
 
 def read_adapter_file(

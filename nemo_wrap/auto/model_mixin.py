@@ -22,11 +22,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from nemo_wrap.checkpoint.peft_adapter import save_peft_adapter
-from nemo_wrap.checkpoint.save import DEFAULT_MAX_SHARD_SIZE, save_hf_checkpoint
+from nemo_wrap.checkpoint.save import DEFAULT_MAX_SHARD_SIZE, gather_full, save_hf_checkpoint
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.errors import UnsupportedSaveOptionError
 from nemo_wrap.loading.provenance import LoadReport
 from nemo_wrap.models.lora import is_lora_parameter, peft_key
+from nemo_wrap.models.lora.state_dict import MergedWeightsAdapter
 from nemo_wrap.models.spec import ModelSpec
 from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors
 
@@ -82,7 +83,8 @@ class ShardedModelMixin:
         if not group.collective and not is_main_process:
             return
         if getattr(self, "lora_config", None) is not None:
-            self._save_adapter(save_directory, group, merge_adapters)
+            save = {"max_shard_size": max_shard_size, "tokenizer": tokenizer}
+            self._save_adapter(save_directory, group, merge_adapters, **save)
             return
         save_hf_checkpoint(
             self,  # type: ignore[arg-type]
@@ -95,13 +97,25 @@ class ShardedModelMixin:
             tokenizer=tokenizer,
         )
 
-    def _save_adapter(self, save_directory: str | Path, group: RankGroup, merge_adapters: bool) -> None:
-        """The whole LoRA adapter, in PEFT's keys and format."""
-        if merge_adapters:
-            raise UnsupportedSaveOptionError("save_pretrained: merge_adapters=True is not implemented yet")
+    def _save_adapter(self, save_directory: str | Path, group: RankGroup, merge_adapters: bool, **save: Any) -> None:
+        """The whole LoRA adapter in PEFT's keys and format — or, with ``merge_adapters``, a plain
+        transformers checkpoint whose adapted weights hold ``W + scaling · B @ A``."""
         distinct, _ = checkpoint_tensors(self)  # type: ignore[arg-type]
-        lora = {peft_key(name): t for name, t in distinct.items() if is_lora_parameter(name)}
-        save_peft_adapter(lora, cast(LoraConfig, self.lora_config), save_directory, group)
+        lora = {name: t for name, t in distinct.items() if is_lora_parameter(name)}
+        if not merge_adapters:
+            adapter_tensors = {peft_key(name): t for name, t in lora.items()}
+            save_peft_adapter(adapter_tensors, cast(LoraConfig, self.lora_config), save_directory, group)
+            return
+        full = {name: gather_full(t) for name, t in lora.items()}  # every rank, in the same order
+        merging = MergedWeightsAdapter(self.state_dict_adapter(), self, full)  # type: ignore[arg-type]
+        save_hf_checkpoint(
+            self,  # type: ignore[arg-type]
+            save_directory,
+            architecture=self.hf_architecture,
+            adapter=merging,
+            group=group,
+            **save,
+        )
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' ``generate``, kept in lockstep across ranks when sharding needs it.

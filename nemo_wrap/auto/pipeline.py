@@ -108,7 +108,9 @@ class LoadPipeline:
     def add_adapters(self) -> None:
         assert self.lora is not None  # the plan adds adapters only when LoRA was asked for
         base_name = str(self.checkpoint.directory) if self.checkpoint is not None else ""
-        add_adapters(self.model, self.source, self.lora, base_name)
+        entries = add_adapters(self.model, self.source, self.lora, base_name)
+        if self.tp_plan is not None:  # the adapters are sharded with the plan, so they join it
+            self.tp_plan = {**self.tp_plan, **entries}
 
     def shard(self) -> None:
         assert self.setup is not None  # the plan has a shard step only with a setup

@@ -2,9 +2,9 @@
 
 PEFT's ``LoraConfig`` says what to adapt, in transformers' module names (``q_proj``, ``"all-linear"``,
 a regex). Our fused classes hold q/k/v in one ``qkv_proj`` and gate/up in one ``gate_up_proj``, so
-PEFT's own layers cannot be injected there by name; instead each adapted linear layer carries a
-:class:`~nemo_wrap.models.lora.layers.LoraAdapters` child with one low-rank pair per transformers
-projection it fuses, and adds their output to that projection's rows. The parameters are named so
+PEFT's own layers cannot be injected there by name; instead each adapted linear layer gets a
+:class:`~nemo_wrap.models.lora.layers.LoraAdapters` sibling with one low-rank pair per transformers
+projection it fuses, whose output a forward hook adds to that projection's rows. The parameters are named so
 that PEFT's key of each is a string rewrite (:func:`~nemo_wrap.models.lora.targets.peft_key`), and
 they are ordinary parameters of the decoder layers: sharded, initialized and audited like the rest.
 """

@@ -1,4 +1,13 @@
-"""The adapter modules: low-rank pairs added to row blocks of one linear layer's output."""
+"""The adapter modules: low-rank pairs added to row blocks of one linear layer's output.
+
+The adapters of a layer ``qkv_proj`` live in its sibling ``lora_qkv_proj`` (not inside the layer:
+tensor parallel's column-wise style re-registers every parameter under the layer it shards) and are
+added to the layer's output by a forward hook. Under tensor parallel that hook sees the layer's
+output as a DTensor before it is made local — column-sharded for a column-wise layer, a partial sum
+for a row-wise one — and adds an adapter output of the same layout, computed from this rank's rows
+(or input columns) only. The adapter parameters stay whole on every tp rank, their gradients
+summed over the tp ranks (each rank's is a partial sum), like Qwen3's q/k norms.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +17,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Shard
 
+from nemo_wrap.errors import ShardingError
 from nemo_wrap.models.lora.settings import LoraSettings
+
+Placement = tuple[tuple[slice, slice], ...]  # (rows of the pair's output, rows of the layer's output)
 
 
 class LoraPair(nn.Module):
@@ -30,11 +43,9 @@ class LoraPair(nn.Module):
         nn.init.uniform_(self.lora_A, -bound, bound)
         nn.init.zeros_(self.lora_B)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x @ self.lora_A.t()) @ self.lora_B.t()
-
-
-Placement = tuple[tuple[slice, slice], ...]  # (rows of the pair's output, rows of the layer's output)
+    def forward(self, x: torch.Tensor, rows: slice = slice(None), columns: slice = slice(None)) -> torch.Tensor:
+        """``x @ A[:, columns]^T @ B[rows]^T``: the whole pair, or one tp rank's share of it."""
+        return (x @ self.lora_A[:, columns].t()) @ self.lora_B[rows].t()
 
 
 class LoraAdapters(nn.Module):
@@ -42,8 +53,7 @@ class LoraAdapters(nn.Module):
 
     Each pair's output rows land where that projection's rows sit in the layer's output: a fused
     ``qkv_proj`` groups q, k and v rows by key/value head, and our ``gate_up_proj`` interleaves gate
-    and up (strided slices). Attached as the layer's ``lora`` child; :func:`add_lora_output` is the
-    layer's forward hook.
+    and up (strided slices).
     """
 
     def __init__(
@@ -53,23 +63,48 @@ class LoraAdapters(nn.Module):
         self.out_features = out_features
         self.placements = dict(parts)
         self.pairs = nn.ModuleDict(
-            {
-                name: LoraPair(in_features, max(rows.stop for rows, _ in placement), settings.r)
-                for name, placement in parts
-            }
+            {name: LoraPair(in_features, _rows_of(placement), settings.r) for name, placement in parts}
         )
         self.scaling = settings.scaling
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.dropout(x)
-        whole = ((slice(0, self.out_features), slice(0, self.out_features)),)
-        if len(self.pairs) == 1 and next(iter(self.placements.values())) == whole:
-            return next(iter(self.pairs.values()))(x) * self.scaling
-        delta = x.new_zeros(*x.shape[:-1], self.out_features)
+        """The adapters' output for the whole layer."""
+        return self._place(self.dropout(x), self.out_features, self.placements, lambda name, pair, x: pair(x))
+
+    def sharded(self, x: DTensor, output: DTensor) -> DTensor:
+        """This rank's share of the adapters' output, in the layout of the layer's sharded ``output``."""
+        mesh, placement = output.device_mesh, output.placements[0]
+        rank = mesh.get_local_rank()
+        if isinstance(placement, Partial):  # row-wise layer: this rank's input columns, all output rows
+            local = x.to_local()
+            columns = slice(rank * local.shape[-1], (rank + 1) * local.shape[-1])
+            delta = self._place(
+                self.dropout(local), self.out_features, self.placements, lambda name, pair, x: pair(x, columns=columns)
+            )
+        elif isinstance(placement, Shard):  # column-wise layer: the whole input, this rank's output rows
+            local_out = output.to_local().shape[-1]
+            placements = {name: _first_chunk(p, local_out) for name, p in self.placements.items()}
+            local = x.to_local(grad_placements=[Partial()])  # each rank's input gradient is a partial sum
+
+            def share(name: str, pair: LoraPair, x: torch.Tensor) -> torch.Tensor:
+                rows = _rows_of(placements[name])  # this rank's rows of the projection: chunk ``rank``
+                return pair(x, rows=slice(rank * rows, (rank + 1) * rows))
+
+            delta = self._place(self.dropout(local), local_out, placements, share)
+        else:
+            raise ShardingError(f"LoRA on a layer whose output is {placement}: not a column- or row-wise layer")
+        return DTensor.from_local(delta, mesh, output.placements, run_check=False)
+
+    def _place(self, x: torch.Tensor, rows: int, placements: dict[str, Placement], run: Any) -> torch.Tensor:
+        whole = ((slice(0, rows), slice(0, rows)),)
+        if len(self.pairs) == 1 and next(iter(placements.values())) == whole:
+            name, pair = next(iter(self.pairs.items()))
+            return run(name, pair, x) * self.scaling
+        delta = x.new_zeros(*x.shape[:-1], rows)
         for name, pair in self.pairs.items():
-            out = pair(x)
-            for pair_rows, layer_rows in self.placements[name]:
+            out = run(name, pair, x)
+            for pair_rows, layer_rows in placements[name]:
                 delta[..., layer_rows] = out[..., pair_rows]
         return delta * self.scaling
 
@@ -79,7 +114,23 @@ def _rows_of(placement: Placement) -> int:
     return max(rows.stop for rows, _ in placement)
 
 
-def add_lora_output(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-    """Forward hook of an adapted linear layer: its output plus its adapters' (``module.lora``)."""
-    adapters = module.get_submodule("lora")
-    return output + adapters(args[0])
+def _first_chunk(placement: Placement, layer_rows: int) -> Placement:
+    """The part of ``placement`` inside the layer's first ``layer_rows`` rows: every tp rank's rows
+    follow the same pattern (whole heads, kv groups and gate/up pairs per rank), shifted."""
+    chunk = []
+    for pair_rows, rows in placement:
+        count = len(range(rows.start, min(rows.stop, layer_rows), rows.step or 1))
+        if count > 0:
+            step = rows.step or 1
+            chunk.append(
+                (slice(pair_rows.start, pair_rows.start + count), slice(rows.start, rows.start + count * step, step))
+            )
+    return tuple(chunk)
+
+
+def add_lora_output(adapters: LoraAdapters, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
+    """Forward hook of an adapted linear layer (bound to its ``adapters``): its output plus theirs."""
+    x = args[0]
+    if isinstance(output, DTensor) and isinstance(x, DTensor):
+        return output + adapters.sharded(x, output)
+    return output + adapters(x)

@@ -10,19 +10,25 @@ on our fused Llama as on transformers' Llama, and the adapter file names them th
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
+from functools import partial
 
 from peft import LoraConfig
 from peft.tuners.tuners_utils import _ExcludedModule, check_target_module_exists
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import PreTrainedModel
 
+from nemo_wrap.distributed.tensor_parallel import ReplicateWithGradientSum
 from nemo_wrap.errors import LoraTargetError, UnsupportedLoraOptionError, summarize
 from nemo_wrap.models.lora.layers import LoraAdapters, Placement, add_lora_output
 from nemo_wrap.models.lora.settings import LoraSettings
 from nemo_wrap.state_dict import StateDictAdapter
 
-_PAIRS = ".lora.pairs."  # our parameter names: <layer>.lora.pairs.<projection>.lora_A / lora_B
+# Our parameter names: <parent>.lora_<layer>.pairs.<projection>.lora_A / lora_B
+_LORA_PARAMETER = re.compile(r"(?:^|\.)lora_[^.]+\.pairs\.[^.]+\.lora_[AB]$")
+_PAIRS = ".pairs."
 
 
 @dataclass(frozen=True)
@@ -58,24 +64,32 @@ def find_lora_targets(
     return resolved, targets
 
 
-def add_lora(model: PreTrainedModel, targets: list[LoraTarget], settings: LoraSettings) -> None:
-    """Attach adapters to every target (on the model's device and dtype) and freeze everything else."""
+def add_lora(model: PreTrainedModel, targets: list[LoraTarget], settings: LoraSettings) -> dict[str, ParallelStyle]:
+    """Attach adapters to every target (as its sibling ``lora_<name>``, on the model's device and
+    dtype), freeze everything else, and return the tensor-parallel entries the adapters need."""
     for parameter in model.parameters():
         parameter.requires_grad_(False)
+    plan: dict[str, ParallelStyle] = {}
     for target in targets:
         layer = model.get_submodule(target.module)
+        parent_name, _, leaf = target.module.rpartition(".")
         weight = layer.get_parameter("weight")
         adapters = LoraAdapters(target.in_features, target.out_features, _short(target.parts), settings)
-        layer.add_module("lora", adapters.to(device=weight.device, dtype=weight.dtype))
-        layer.register_forward_hook(add_lora_output)
+        model.get_submodule(parent_name).add_module(
+            f"lora_{leaf}", adapters.to(device=weight.device, dtype=weight.dtype)
+        )
+        layer.register_forward_hook(partial(add_lora_output, adapters))
+        prefix = f"{parent_name}.lora_{leaf}" if parent_name else f"lora_{leaf}"
+        plan.update({f"{prefix}.pairs.{name}": ReplicateWithGradientSum() for name in adapters.pairs})
+    return plan
 
 
 def is_lora_parameter(name: str) -> bool:
-    return _PAIRS in name
+    return _LORA_PARAMETER.search(name) is not None
 
 
 def peft_key(name: str) -> str:
-    """``model.layers.0.self_attn.qkv_proj.lora.pairs.q_proj.lora_A`` →
+    """``model.layers.0.self_attn.lora_qkv_proj.pairs.q_proj.lora_A`` →
     ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` (PEFT's file key)."""
     module, _, rest = name.partition(_PAIRS)
     parent = module.rpartition(".")[0]
