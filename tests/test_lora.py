@@ -61,6 +61,20 @@ def test_our_fused_class_with_lora_computes_what_peft_on_transformers_computes(b
     assert all(is_lora_parameter(n) for n, p in ours.named_parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [dict(target_modules="all-linear", exclude_modules=["o_proj", "up_proj"]), dict(target_modules=r".*\.1\.mlp\..*_proj")],
+    ids=["all-linear-excluding", "regex"],
+)
+def test_regex_and_exclude_select_what_peft_selects(tmp_path, config):
+    base = write_checkpoint(tmp_path / "base", "own-llama", "half", tie=False)
+    ours = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=LoraConfig(r=2, **config))
+    ours.save_pretrained(tmp_path / "adapter")
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, **config))
+    expected = {k.replace(".default", "") for k in peft.state_dict() if "lora_" in k}
+    assert set(load_file(tmp_path / "adapter" / "adapter_model.safetensors")) == expected
+
+
 def test_a_new_adapter_changes_nothing_and_is_in_the_load_report(base):
     plain = NeMoAutoModelForCausalLM.from_pretrained(base)
     adapted = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(), seed=0)
