@@ -2,7 +2,7 @@
 
 One process, a ~100M-parameter Llama (fp32, saved once to a temporary checkpoint), batch 2 × 256
 tokens, AdamW; LoRA r=16 on all linear layers. Each case runs in a fresh process so its peak RSS is
-its own. Reports the median step time of 4 steps after a warm-up, the RSS after loading, and the
+its own. Reports the median step time of 6 steps after a warm-up, the RSS after loading, and the
 peak RSS. Run: ``python benchmarks/bench_lora_step.py``.
 """
 
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-BATCH, SEQUENCE, WARMUP, STEPS = 2, 256, 1, 4
+BATCH, SEQUENCE, WARMUP, STEPS = 2, 256, 1, 6
 CASES = ("full", "lora", "peft")
 
 

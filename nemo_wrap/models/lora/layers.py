@@ -43,9 +43,10 @@ class LoraPair(nn.Module):
         nn.init.uniform_(self.lora_A, -bound, bound)
         nn.init.zeros_(self.lora_B)
 
-    def forward(self, x: torch.Tensor, rows: slice = slice(None), columns: slice = slice(None)) -> torch.Tensor:
-        """``x @ A[:, columns]^T @ B[rows]^T``: the whole pair, or one tp rank's share of it."""
-        return (x @ self.lora_A[:, columns].t()) @ self.lora_B[rows].t()
+    def forward(self, x: torch.Tensor, columns: slice = slice(None)) -> torch.Tensor:
+        """The down-projection ``x @ A[:, columns]^T`` (all input columns, or one tp rank's); the
+        layer's :class:`LoraAdapters` applies every pair's ``B`` in one product."""
+        return x @ self.lora_A[:, columns].t()
 
 
 class LoraAdapters(nn.Module):
@@ -70,7 +71,7 @@ class LoraAdapters(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The adapters' output for the whole layer."""
-        return self._place(self.dropout(x), self.out_features, self.placements, lambda name, pair, x: pair(x))
+        return self._delta(self.dropout(x), self.out_features, self.placements)
 
     def sharded(self, x: DTensor, output: DTensor) -> DTensor:
         """This rank's share of the adapters' output, in the layout of the layer's sharded ``output``."""
@@ -79,34 +80,46 @@ class LoraAdapters(nn.Module):
         if isinstance(placement, Partial):  # row-wise layer: this rank's input columns, all output rows
             local = x.to_local()
             columns = slice(rank * local.shape[-1], (rank + 1) * local.shape[-1])
-            delta = self._place(
-                self.dropout(local), self.out_features, self.placements, lambda name, pair, x: pair(x, columns=columns)
-            )
+            delta = self._delta(self.dropout(local), self.out_features, self.placements, columns=columns)
         elif isinstance(placement, Shard):  # column-wise layer: the whole input, this rank's output rows
             local_out = output.to_local().shape[-1]
             placements = {name: _first_chunk(p, local_out) for name, p in self.placements.items()}
             local = x.to_local(grad_placements=[Partial()])  # each rank's input gradient is a partial sum
-
-            def share(name: str, pair: LoraPair, x: torch.Tensor) -> torch.Tensor:
-                rows = _rows_of(placements[name])  # this rank's rows of the projection: chunk ``rank``
-                return pair(x, rows=slice(rank * rows, (rank + 1) * rows))
-
-            delta = self._place(self.dropout(local), local_out, placements, share)
+            delta = self._delta(self.dropout(local), local_out, placements, chunk=rank)
         else:
             raise ShardingError(f"LoRA on a layer whose output is {placement}: not a column- or row-wise layer")
         return DTensor.from_local(delta, mesh, output.placements, run_check=False)
 
-    def _place(self, x: torch.Tensor, rows: int, placements: dict[str, Placement], run: Any) -> torch.Tensor:
-        whole = ((slice(0, rows), slice(0, rows)),)
-        if len(self.pairs) == 1 and next(iter(placements.values())) == whole:
-            name, pair = next(iter(self.pairs.items()))
-            return run(name, pair, x) * self.scaling
-        delta = x.new_zeros(*x.shape[:-1], rows)
+    def _delta(
+        self,
+        x: torch.Tensor,
+        rows: int,
+        placements: dict[str, Placement],
+        columns: slice = slice(None),
+        chunk: int | None = None,
+    ) -> torch.Tensor:
+        """``scaling · (x @ A^T) @ B^T`` over every pair at once: the pairs' down-projections side by
+        side, times one ``B`` matrix that holds each pair's rows (its ``chunk`` of them under
+        column-wise tp) at its projection's rows of the layer — two matrix products, no scatter of
+        activations."""
+        down = torch.cat([pair(x, columns=columns) for pair in self.pairs.values()], dim=-1)
+        return (down @ self._placed_b(rows, placements, chunk).t()) * self.scaling
+
+    def _placed_b(self, rows: int, placements: dict[str, Placement], chunk: int | None) -> torch.Tensor:
+        blocks: list[torch.Tensor] = []
         for name, pair in self.pairs.items():
-            out = run(name, pair, x)
+            b: torch.Tensor = pair.get_parameter("lora_B")
+            if chunk is not None:  # this rank's rows of the projection: chunk ``chunk`` of equal ones
+                size = _rows_of(placements[name])
+                b = b[chunk * size : (chunk + 1) * size]
+            if placements[name] == ((slice(0, rows), slice(0, rows)),):
+                blocks.append(b)  # the projection is the whole layer
+                continue
+            placed = b.new_zeros(rows, b.shape[1])
             for pair_rows, layer_rows in placements[name]:
-                delta[..., layer_rows] = out[..., pair_rows]
-        return delta * self.scaling
+                placed[layer_rows] = b[pair_rows]
+            blocks.append(placed)
+        return torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
 
 
 def _rows_of(placement: Placement) -> int:
