@@ -75,6 +75,16 @@ def test_regex_and_exclude_select_what_peft_selects(tmp_path, config):
     assert set(load_file(tmp_path / "adapter" / "adapter_model.safetensors")) == expected
 
 
+def test_rank_stabilized_scaling_matches_peft(tmp_path):
+    base = write_checkpoint(tmp_path / "base", "own-llama", "distinct", tie=False)
+    ours = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(use_rslora=True))
+    _set_adapters(ours)
+    ours.save_pretrained(tmp_path / "adapter")
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+    assert reference.peft_config["default"].use_rslora
+    torch.testing.assert_close(ours(IDS).logits, reference(IDS).logits, atol=1e-5, rtol=0)
+
+
 def test_a_new_adapter_changes_nothing_and_is_in_the_load_report(base):
     plain = NeMoAutoModelForCausalLM.from_pretrained(base)
     adapted = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(), seed=0)
