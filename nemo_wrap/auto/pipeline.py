@@ -18,6 +18,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from nemo_wrap.auto.classes import loadable_class
 from nemo_wrap.auto.lora_steps import LoraRequest, add_adapters, new_adapter_provenance, read_adapter_file
+from nemo_wrap.auto.model_mixin import no_cache_while_training
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
 from nemo_wrap.distributed.collectives import RankGroup, collective_device, device_memory_bytes
@@ -104,6 +105,7 @@ class LoadPipeline:
 
     def build_on_meta(self) -> None:
         self.model = build_on_meta(loadable_class(self.source), self.config, self.dtype)
+        self.model.register_forward_pre_hook(no_cache_while_training, with_kwargs=True)
 
     def add_adapters(self) -> None:
         assert self.lora is not None  # the plan adds adapters only when LoRA was asked for

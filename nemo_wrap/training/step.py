@@ -63,7 +63,8 @@ def train_step(
     """Forward/backward every micro-batch (syncing gradients only on the last), clip, step.
 
     Each batch holds ``input_ids`` and optionally ``labels`` (default: ``input_ids``; ``-100`` is
-    ignored) and ``attention_mask``. Every rank of the job must call it with its own batches.
+    ignored), ``attention_mask`` and ``position_ids`` (restarting at each example of a packed row).
+    Every rank of the job must call it with its own batches.
     """
     group = _data_parallel_group(model)
     dp_size = 1 if group is None else dist.get_world_size(group)
@@ -77,6 +78,7 @@ def train_step(
             output = model(
                 input_ids=batch["input_ids"],
                 attention_mask=batch.get("attention_mask"),
+                position_ids=batch.get("position_ids"),
                 labels=_labels_of(batch),
                 num_items_in_batch=label_tokens,
             )
