@@ -176,3 +176,13 @@ class LoraTargetError(NeMoWrapError, LookupError):
 class AdapterMismatchError(NeMoWrapError, ValueError):
     """An adapter directory does not fit the model: another base architecture, other shapes, or
     tensors that adapt nothing."""
+
+
+class ChatTemplateError(NeMoWrapError, ValueError):
+    """A tokenizer has no chat template, or one whose rendering of a conversation's prefix is not a
+    prefix of the whole, so assistant turns cannot be located (and would be mislabelled)."""
+
+
+class ChatDataError(NeMoWrapError, ValueError):
+    """A row of a fine-tuning data set is malformed: unknown format, missing column, wrong roles, an
+    empty assistant turn. The message names the file (or data set) and the row."""

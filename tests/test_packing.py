@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
+from nemo_wrap.data import LabelledExample, pack_examples
 from nemo_wrap.training import train_step
 from tests.tiny_models import tiny_config
 
@@ -20,21 +21,19 @@ def _examples() -> list[torch.Tensor]:
     return [torch.randint(4, 257, (n,), generator=generator) for n in LENGTHS]
 
 
-def _packed(examples: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One row: the examples side by side, positions restarting, no label across a boundary."""
-    labels = [torch.cat([torch.tensor([-100]), e[1:]]) for e in examples]
-    return {
-        "input_ids": torch.cat(examples).unsqueeze(0),
-        "position_ids": torch.cat([torch.arange(len(e)) for e in examples]).unsqueeze(0),
-        "labels": torch.cat(labels).unsqueeze(0),
-    }
+def _packed(examples: list[torch.Tensor], padding: int = 0) -> dict[str, torch.Tensor]:
+    """One row packed by the library: the examples side by side (then ``padding`` pad tokens)."""
+    labelled = [LabelledExample(tuple(e.tolist()), tuple(e.tolist())) for e in examples]
+    rows = pack_examples(labelled, max_length=sum(LENGTHS) + padding, pad_token_id=0)
+    assert len(rows) == 1 and rows[0]["position_ids"][0, LENGTHS[0]] == 0
+    return rows[0]
 
 
-def _compare(model) -> tuple[float, float, float]:
+def _compare(model, padding: int = 0) -> tuple[float, float, float]:
     """Max logit difference, and the packed and one-by-one mean token losses (train mode)."""
     model.train()
     examples = _examples()
-    batch = _packed(examples)
+    batch = _packed(examples, padding)
     packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
     logits = packed.logits[0]
     start, difference, loss_sum = 0, 0.0, 0.0
@@ -71,6 +70,8 @@ def test_a_packed_row_equals_its_examples_in_one_process(checkpoints, kind, forc
     leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True).logits[0, 5:12]
     alone = model(input_ids=_examples()[1].unsqueeze(0)).logits[0]
     assert (leaky - alone).abs().max() > 1.0
+    difference, packed_loss, expected_loss = _compare(model, padding=6)  # a padded row learns the same
+    assert difference < 1e-5 and packed_loss == pytest.approx(expected_loss, rel=1e-5)
 
 
 def case_packed_row(path: str, force_hf: bool, tp: int) -> tuple[float, float, float]:
