@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from nemo_wrap.checkpoint.atomic import discard, replace_directory, save_failed, stage_directory
 from nemo_wrap.distributed.collectives import RankGroup
@@ -32,8 +33,17 @@ from nemo_wrap.errors import CheckpointNotFoundError
 _METADATA_FILE = ".metadata"  # written by DCP's file writer once every rank's data is in
 
 
-def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+def save_checkpoint(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    data: Stateful | None = None,
+) -> None:
     """Write ``model`` and ``optimizer`` state and ``step`` to ``directory``, replacing what is there.
+
+    ``data`` (a ``Stateful``, e.g. :class:`nemo_wrap.data.batches.DataParallelBatches`) stores the
+    position in the data too, so a resumed run sees the batches the uninterrupted one would have.
 
     Every rank calls it. Raises :class:`CheckpointSaveError` on every rank if any rank fails to
     write; the previous checkpoint at ``directory`` then stays in place.
@@ -42,7 +52,9 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.op
     group = RankGroup.job()  # DCP is collective over the job
     failure = partial(save_failed, target)
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(step, dtype=torch.int64)}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(step)}
+    if data is not None:
+        state["data"] = data
     staged = group.on_rank_zero("creating the staging directory", lambda: stage_directory(target), failure)
     done = False
     try:
@@ -57,8 +69,11 @@ def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.op
             discard(staged)
 
 
-def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Restore ``model`` and ``optimizer`` from ``directory`` in place; return the saved step.
+def load_checkpoint(
+    directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, data: Stateful | None = None
+) -> int:
+    """Restore ``model`` and ``optimizer`` (and ``data``'s position) from ``directory`` in place;
+    return the saved step.
 
     Every rank calls it, with the model sharded as it was when saved. Raises
     :class:`CheckpointNotFoundError` when ``directory`` holds no checkpoint written by
@@ -73,6 +88,8 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.op
         "optimizer": optimizer_state,
         "step": torch.tensor(0, dtype=torch.int64),
     }
+    if data is not None:
+        state["data"] = data
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return int(state["step"])

@@ -34,7 +34,8 @@ class StepResult:
     label_tokens: int
 
 
-def _data_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
+def data_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The data-parallel process group of a model sharded by nemo_wrap, or None (one replica)."""
     setup = getattr(model, "nemo_distributed_setup", None)
     if setup is None or setup.dp_size == 1:
         return None
@@ -66,7 +67,7 @@ def train_step(
     ignored), ``attention_mask`` and ``position_ids`` (restarting at each example of a packed row).
     Every rank of the job must call it with its own batches.
     """
-    group = _data_parallel_group(model)
+    group = data_parallel_group(model)
     dp_size = 1 if group is None else dist.get_world_size(group)
     label_tokens = _count_label_tokens(micro_batches, group)
     if label_tokens == 0:

@@ -1,0 +1,46 @@
+"""Evaluation loss: the mean over every label token of every rank, as one process would compute it.
+
+Each rank sums the token losses of its own batches and counts its tokens; both sums are reduced
+over the data-parallel ranks before dividing, so ranks with more tokens weigh more (a mean of
+per-rank means would not). The cross-entropy is computed from the logits with ``reduction="sum"``:
+a padding batch (no label token) then adds zero instead of transformers' 0/0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nemo_wrap.training.step import IGNORE_INDEX, data_parallel_group
+
+
+def evaluate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) -> float:
+    """Token-weighted mean loss of ``model`` over this rank's ``batches`` and every other rank's.
+
+    Every rank of the job calls it with the same number of batches (a sharded forward is collective).
+    """
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64)  # loss sum, token count
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
+                labels = batch["labels"][..., 1:]
+                loss = F.cross_entropy(
+                    logits[..., :-1, :].flatten(0, -2).float(),
+                    labels.flatten(),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
+                totals += torch.tensor([float(loss), float((labels != IGNORE_INDEX).sum())], dtype=torch.float64)
+    finally:
+        model.train(was_training)
+    group = data_parallel_group(model)
+    if group is not None:
+        dist.all_reduce(totals, group=group)
+    return float(totals[0] / totals[1])
