@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nemo-wrap", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     helps = {
-        "finetune": "fine-tune a causal LM on a text file and save it (the default command)",
+        "finetune": "fine-tune a causal LM on a text file or a chat data set and save it (the default command)",
         "plan": "print the load plan for a checkpoint, reading no weights",
         "report": "load a checkpoint and print where every parameter's values came from",
     }
@@ -73,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
             "themselves on that many local ranks through torchrun (do not combine with torchrun)",
         )
     finetune = commands.choices["finetune"]
-    finetune.add_argument("--steps", type=_positive_int, default=50, help="optimizer steps (default 50)")
+    finetune.add_argument(
+        "--steps", type=_positive_int, default=None, help="optimizer steps (default: 50 on text, --epochs on data sets)"
+    )
     finetune.add_argument("--lr", type=_positive_float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     finetune.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per rank per step (default 8)")
     finetune.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence (default 64)")
@@ -85,7 +87,31 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"where the fine-tuned checkpoint goes (default ./{DEFAULT_OUTPUT_DIR})",
     )
     finetune.add_argument("--seed", type=int, default=0, help="data order seed (default 0)")
+    _add_data_set_arguments(finetune)
     return parser
+
+
+def _add_data_set_arguments(finetune: argparse.ArgumentParser) -> None:
+    """Options of fine-tuning on a data set (JSONL/JSON/Parquet/CSV or a hub id) rather than text."""
+    group = finetune.add_argument_group("data sets (--data that is not a .txt file)")
+    group.add_argument("--format", default="auto", help="auto | messages | prompt_completion | text (default auto)")
+    group.add_argument("--max-length", type=_positive_int, default=512, help="tokens per row (default 512)")
+    group.add_argument("--pack", action="store_true", help="several examples per row, attention kept apart")
+    group.add_argument("--last-turn-only", action="store_true", help="learn only the last assistant turn")
+    group.add_argument("--eval-data", default=None, help="held-out data set: evaluation loss")
+    group.add_argument("--eval-every", type=_positive_int, default=None, help="evaluate every N steps (and at the end)")
+    group.add_argument(
+        "--epochs", type=_positive_int, default=1, help="passes over the data unless --steps (default 1)"
+    )
+    group.add_argument("--accumulation", type=_positive_int, default=1, help="micro-batches per step (default 1)")
+    group.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up (default 0)")
+    group.add_argument("--lr-schedule", default="cosine", choices=("cosine", "constant"), help="after warm-up")
+    group.add_argument("--log-dir", default=None, help="write metrics.jsonl and TensorBoard events here")
+    group.add_argument("--save-every", type=_positive_int, default=None, help="resumable checkpoint every N steps")
+    group.add_argument("--resume", default=None, help="resume from a checkpoint written by --save-every")
+    group.add_argument("--lora-r", type=_positive_int, default=None, help="LoRA rank: train adapters only")
+    group.add_argument("--lora-alpha", type=_positive_float, default=None, help="LoRA alpha (default 2 x rank)")
+    group.add_argument("--lora-targets", default="all-linear", help="comma-separated projections or all-linear")
 
 
 def _model_path(args: argparse.Namespace) -> Path:
@@ -172,7 +198,44 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_data_set(data: str | None) -> bool:
+    return data is not None and not data.endswith(".txt")
+
+
+def _run_sft(args: argparse.Namespace) -> int:
+    from peft import LoraConfig
+
+    from nemo_wrap.recipes import SFTConfig, run_sft
+
+    path = _model_path(args)
+    env = initialize_distributed()
+    try:
+        setup = DistributedSetup.build(args.strategy, env.world_size, tp_size=args.tp_size)
+        say = print if env.is_main_process else (lambda *_: None)
+        tokenizer = _tokenizer(path)
+        targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+        lora = None
+        if args.lora_r is not None:
+            lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r, target_modules=targets)
+        config = SFTConfig(
+            data=args.data, output_dir=args.output_dir, format=args.format, max_length=args.max_length,
+            pack=args.pack, last_turn_only=args.last_turn_only, eval_data=args.eval_data,
+            eval_every=args.eval_every, steps=args.steps, epochs=args.epochs, micro_batch_size=args.batch_size,
+            accumulation=args.accumulation, lr=args.lr, warmup_steps=args.warmup_steps,
+            lr_schedule=args.lr_schedule, max_grad_norm=args.max_grad_norm, seed=args.seed, log_dir=args.log_dir,
+            save_every=args.save_every, resume=args.resume, lora=lora,
+        )  # fmt: skip
+        records = run_sft(path, setup, config, tokenizer, say)
+        losses = [r["loss"] for r in records if "loss" in r]
+        say(f"loss: first step {losses[0]:.4f}, last step {losses[-1]:.4f} ({len(losses)} steps)")
+    finally:
+        destroy_distributed()
+    return 0
+
+
 def _run_finetune(args: argparse.Namespace) -> int:
+    if _is_data_set(args.data):
+        return _run_sft(args)
     import torch
     from tqdm.auto import tqdm
 
@@ -201,7 +264,8 @@ def _run_finetune(args: argparse.Namespace) -> int:
 
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         losses = []
-        with tqdm(range(args.steps), desc="finetune", unit="step", disable=not env.is_main_process) as bar:
+        steps = args.steps or 50
+        with tqdm(range(steps), desc="finetune", unit="step", disable=not env.is_main_process) as bar:
             for _ in bar:
                 started = time.perf_counter()
                 result = train_step(model, optimizer, [next(batches)], max_grad_norm=args.max_grad_norm)

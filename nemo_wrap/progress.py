@@ -25,12 +25,12 @@ def progress_enabled(speaks_for_the_job: bool) -> bool:
     return setting == "1" or sys.stderr.isatty() or "ipykernel" in sys.modules
 
 
-def progress_bar(total: int, description: str, speaks_for_the_job: bool) -> Any:
-    """A tqdm bar over ``total`` tensors, disabled (a no-op) where bars are off."""
+def progress_bar(total: int, description: str, speaks_for_the_job: bool, unit: str = "tensor") -> Any:
+    """A tqdm bar over ``total`` tensors (or other ``unit``), disabled (a no-op) where bars are off."""
     return tqdm(
         total=total,
         desc=description,
-        unit="tensor",
+        unit=unit,
         disable=not progress_enabled(speaks_for_the_job),
         leave=False,
         file=sys.stderr,

@@ -174,3 +174,56 @@ def test_concurrent_first_use_builds_one_checkpoint(cache, tmp_path):
     assert paths == {str(tmp_path / "default-llama-v1")}
     assert sorted(path.name for path in tmp_path.iterdir()) == ["default-llama-v1", "default-llama-v1.lock"]
     assert _files(tmp_path / "default-llama-v1") == _files(default_model_path(cache))
+
+
+CHATML_TEXT = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _chat_model(cache, tmp_path) -> Path:
+    """The default model with a ChatML-style template on its tokenizer."""
+    model = tmp_path / "chat-model"
+    shutil.copytree(default_model_path(), model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = CHATML_TEXT
+    tokenizer.save_pretrained(model)
+    return model
+
+
+def _chat_file(path: Path, count: int) -> Path:
+    import json
+
+    rows = [{"messages": [{"role": "user", "content": f"Rain falls on garden {i}?"},
+                          {"role": "assistant", "content": f"The garden {i} drinks the rain."}]} for i in range(count)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _records(log_dir: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_lora_chat_sft_with_packing_evaluation_metrics_and_resume(cache, tmp_path, capsys):
+    model = _chat_model(cache, tmp_path)
+    data, held_out = _chat_file(tmp_path / "chat.jsonl", 24), _chat_file(tmp_path / "eval.jsonl", 6)
+    common = ["finetune", str(model), "--data", str(data), "--pack", "--max-length", "64",
+              "--batch-size", "2", "--steps", "4", "--warmup-steps", "1", "--lr", "1e-2", "--lora-r", "4",
+              "--eval-data", str(held_out), "--eval-every", "2", "--save-every", "2"]
+    assert main([*common, "--output-dir", str(tmp_path / "out"), "--log-dir", str(tmp_path / "log")]) == 0
+    out = capsys.readouterr().out
+    assert "data: " in out and "(messages)" in out and "examples (0 truncated, 0 dropped)" in out
+    records = _records(tmp_path / "log")
+    losses = [r["loss"] for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    assert len(losses) == 4 and [r["step"] for r in evals] == [2, 4, 4] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert [r["lr"] for r in records if "lr" in r][:2] == [1e-2, 1e-2]  # warm-up of one step, then the peak
+    assert list((tmp_path / "log").glob("events.out.tfevents.*"))
+    assert (tmp_path / "out" / "adapter_config.json").is_file() and (tmp_path / "out" / "checkpoint-2").is_dir()
+    resumed = [*common, "--output-dir", str(tmp_path / "again"), "--log-dir", str(tmp_path / "log2"),
+               "--resume", str(tmp_path / "out" / "checkpoint-2")]
+    assert main(resumed) == 0
+    assert [r["loss"] for r in _records(tmp_path / "log2") if "loss" in r] == losses[2:]
