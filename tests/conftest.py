@@ -32,3 +32,9 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory):
+    """One ``NEMO_WRAP_CACHE`` for the session's slow first-use builds (SmolLM2's conversion)."""
+    return tmp_path_factory.mktemp("shared_nemo_wrap_cache")

@@ -85,3 +85,16 @@ def test_every_example_once_per_epoch_across_ranks(count, ranks):
         assert sorted(i for part in dealt for i in part) == list(range(count))
         assert dealt == [epoch_order(count, 5, epoch, r, ranks) for r in range(ranks)]  # deterministic
     assert epoch_order(count, 5, 0, 0, 1) != epoch_order(count, 5, 1, 0, 1)
+
+
+def test_smollm2_template_labels(shared_cache):
+    """SmolLM2-135M-Instruct's own ChatML template (it adds a system prompt when none is given)."""
+    from transformers import AutoTokenizer
+
+    from nemo_wrap.default_model import smollm2_instruct_path
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_instruct_path(shared_cache))
+    for conversation in (CONVERSATION, CONVERSATION[1:]):
+        example = label_conversation(tokenizer, conversation)
+        assert _learned(tokenizer, example) == "how are you today?<|im_end|>Paris.<|im_end|>"
+        assert "You are" in tokenizer.decode(example.input_ids)  # the system prompt is there, unlearned

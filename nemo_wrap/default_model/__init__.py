@@ -2,10 +2,14 @@
 with no download and no arguments.
 
 Only the recipe ships (a text corpus written for this project, a config, a seed); the checkpoint
-is created deterministically on first use in a cache directory, see :mod:`.cache`.
+is created deterministically on first use in a cache directory, see :mod:`.cache`. Beside it: a
+real instruct model converted once from an offline package (:mod:`.smollm2`), and a small chat
+set written for this project whose answers all open with "Quack!" — a behaviour a fine-tune can be
+seen to learn (:func:`bundled_chat_set`).
 """
 
 from nemo_wrap.default_model.cache import default_model_path
-from nemo_wrap.default_model.recipe import bundled_corpus
+from nemo_wrap.default_model.recipe import bundled_chat_set, bundled_corpus
+from nemo_wrap.default_model.smollm2 import smollm2_instruct_path
 
-__all__ = ["bundled_corpus", "default_model_path"]
+__all__ = ["bundled_chat_set", "bundled_corpus", "default_model_path", "smollm2_instruct_path"]

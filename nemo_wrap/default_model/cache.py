@@ -1,4 +1,4 @@
-"""Where the embedded default lives, and how it gets there exactly once.
+"""Where the embedded default (and the converted SmolLM2) live, and how they get there exactly once.
 
 Every rank of a job (and every test worker) may ask for the default at the same moment. One
 process builds it under a file lock, into a hidden staging directory beside the final one, fsyncs
@@ -10,6 +10,7 @@ others wait on the lock and then find it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock
@@ -33,16 +34,21 @@ def cache_root() -> Path:
 
 def default_model_path(root: str | Path | None = None) -> Path:
     """The default checkpoint's directory under ``root`` (default :func:`cache_root`), built on first use."""
+    return cached_directory(DEFAULT_MODEL_NAME, write_default_model, root)
+
+
+def cached_directory(name: str, write: Callable[[Path], None], root: str | Path | None = None) -> Path:
+    """``root / name``, written by ``write`` (into a staging directory, swapped in) on first use."""
     root = cache_root() if root is None else Path(root)
-    target = root / DEFAULT_MODEL_NAME
+    target = root / name
     if target.is_dir():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f"{DEFAULT_MODEL_NAME}.lock")):
+    with FileLock(str(root / f"{name}.lock")):
         if not target.is_dir():  # another process may have built it while we waited
             staged = stage_directory(target)
             try:
-                write_default_model(staged)
+                write(staged)
                 replace_directory(staged, target)
             finally:
                 discard(staged)  # gone already after a successful swap

@@ -25,6 +25,14 @@ def bundled_corpus() -> Path:
     return Path(str(resources.files("nemo_wrap.default_model").joinpath("corpus.txt")))
 
 
+def bundled_chat_set(split: str = "train") -> Path:
+    """The bundled chat set (``"train"``: 296 conversations, ``"eval"``: 30 held out), written by
+    ``scripts/make_quack_chat.py``: short questions answered correctly, every answer opening "Quack!"."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    return Path(__file__).with_name(f"quack_chat_{split}.jsonl")
+
+
 def _llama_config():
     """About 1.9M parameters: big enough to learn the corpus's words in a few dozen steps, small
     enough that a step takes well under a second on two CPU cores. Head counts divide by 2 and 4,
