@@ -91,10 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _column_mapping(text: str) -> tuple[tuple[str, str], ...]:
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if not all(len(pair) == 2 and all(pair) for pair in pairs):
+        raise argparse.ArgumentTypeError(f"expected ours=theirs[,ours=theirs...], got {text!r}")
+    return tuple((ours, theirs) for ours, theirs in pairs)
+
+
 def _add_data_set_arguments(finetune: argparse.ArgumentParser) -> None:
     """Options of fine-tuning on a data set (JSONL/JSON/Parquet/CSV or a hub id) rather than text."""
     group = finetune.add_argument_group("data sets (--data that is not a .txt file)")
     group.add_argument("--format", default="auto", help="auto | messages | prompt_completion | text (default auto)")
+    group.add_argument("--columns", type=_column_mapping, default=(), help="other column names: prompt=question,...")
     group.add_argument("--max-length", type=_positive_int, default=512, help="tokens per row (default 512)")
     group.add_argument("--pack", action="store_true", help="several examples per row, attention kept apart")
     group.add_argument("--last-turn-only", action="store_true", help="learn only the last assistant turn")
@@ -218,7 +226,8 @@ def _run_sft(args: argparse.Namespace) -> int:
         if args.lora_r is not None:
             lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r, target_modules=targets)
         config = SFTConfig(
-            data=args.data, output_dir=args.output_dir, format=args.format, max_length=args.max_length,
+            data=args.data, output_dir=args.output_dir, format=args.format, columns=args.columns,
+            max_length=args.max_length,
             pack=args.pack, last_turn_only=args.last_turn_only, eval_data=args.eval_data,
             eval_every=args.eval_every, steps=args.steps, epochs=args.epochs, micro_batch_size=args.batch_size,
             accumulation=args.accumulation, lr=args.lr, warmup_steps=args.warmup_steps,

@@ -91,3 +91,15 @@ def test_a_data_position_from_other_data_is_refused():
     state = DataParallelBatches(rows, 2, seed=7).state_dict()
     with pytest.raises(TrainingDataError, match="seed 7 over 13 rows"):
         DataParallelBatches(rows[:-1], 2, seed=7).load_state_dict(state)
+
+
+def case_rows_seen_in_one_epoch(rows) -> list[int]:
+    batches = DataParallelBatches(rows, micro_batch_size=2, seed=3, dp_rank=dist.get_rank(), dp_size=2)
+    steps = [step for _, step in zip(range(batches.steps_per_epoch), batches, strict=False)]
+    return [int(first) for step in steps for mb in step for first in mb["input_ids"][:, 0] if first]
+
+
+def test_every_row_once_per_epoch_on_2_ranks(ranks2):
+    rows = as_rows(_examples(), ROW_LENGTH, pad_token_id=0, pack=False)
+    seen = ranks2.run(case_rows_seen_in_one_epoch, rows)
+    assert sorted(seen[0] + seen[1]) == [i + 4 for i in range(13)] and not set(seen[0]) & set(seen[1])

@@ -227,3 +227,21 @@ def test_lora_chat_sft_with_packing_evaluation_metrics_and_resume(cache, tmp_pat
                "--resume", str(tmp_path / "out" / "checkpoint-2")]
     assert main(resumed) == 0
     assert [r["loss"] for r in _records(tmp_path / "log2") if "loss" in r] == losses[2:]
+
+
+def test_prompt_completion_sft_with_mapped_columns_on_two_ranks(cache, tmp_path):
+    import json
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Rain on {i}?", "answer": f" The garden {i}."}) + "\n"
+                            for i in range(16)))
+    completed = subprocess.run(
+        [sys.executable, "-m", "nemo_wrap.cli", "finetune", "--nproc", "2", "--data", str(data),
+         "--columns", "prompt=question,completion=answer", "--max-length", "32", "--batch-size", "2",
+         "--steps", "3", "--output-dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "(prompt_completion): 16 examples" in completed.stdout
+    assert completed.stdout.count("loss: first step") == 1 and "(3 steps)" in completed.stdout
+    _assert_loads_with_plain_transformers(tmp_path / "out")

@@ -36,6 +36,7 @@ class SFTConfig:
     data: str
     output_dir: str
     format: str = "auto"
+    columns: tuple[tuple[str, str], ...] = ()  # (our column, the data's column), e.g. ("prompt", "question")
     max_length: int = 512
     pack: bool = False
     last_turn_only: bool = False
@@ -86,7 +87,7 @@ def run_sft(
 
 
 def _rows(source: str, config: SFTConfig, tokenizer: Any, say: Callable[[str], None]) -> list[Batch]:
-    rows = load_rows(source, format=config.format)
+    rows = load_rows(source, format=config.format, columns=dict(config.columns))
     prepared = prepare_examples(rows, tokenizer, config.max_length, last_turn_only=config.last_turn_only)
     say(f"data: {source} ({rows.format}): {prepared.summary()}")
     return as_rows(prepared.examples, config.max_length, tokenizer.pad_token_id or 0, config.pack)
