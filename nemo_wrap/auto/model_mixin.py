@@ -67,7 +67,8 @@ class ShardedModelMixin:
         """Write a consolidated transformers checkpoint; transformers' signature, plus ``tokenizer``.
 
         A model with LoRA adapters writes a PEFT adapter directory instead (the full adapter from
-        every strategy), which ``PeftModel.from_pretrained`` loads over transformers' class.
+        every strategy), which ``PeftModel.from_pretrained`` loads over transformers' class; with
+        ``merge_adapters=True``, a plain checkpoint whose adapted weights hold ``W + scaling · B @ A``.
 
         transformers' own method cannot serve here: it names ``type(self)`` (``NeMo…``, ``FSDP…``)
         as the architecture, would write our fused keys, and on rank 0 alone under a process group
