@@ -186,3 +186,8 @@ class ChatTemplateError(NeMoWrapError, ValueError):
 class ChatDataError(NeMoWrapError, ValueError):
     """A row of a fine-tuning data set is malformed: unknown format, missing column, wrong roles, an
     empty assistant turn. The message names the file (or data set) and the row."""
+
+
+class LaunchError(NeMoWrapError, RuntimeError):
+    """A job started with ``nemo_wrap.notebook.launch`` failed on a rank (the message carries that
+    rank's traceback), ran past its ``timeout``, or was given an invalid ``nproc``."""

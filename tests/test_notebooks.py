@@ -23,6 +23,7 @@ CELL_TIMEOUT_S = 300
 # What each notebook leaves behind (relative to its working directory).
 OUTPUTS = {
     "finetune_interactive.ipynb": "nemo_wrap_output/notebook/config.json",
+    "finetune_multirank.ipynb": "nemo_wrap_output/multirank/lora-tp/adapter_config.json",
     "lora_chat_sft.ipynb": "nemo_wrap_output/quack-adapter/adapter_config.json",
 }
 
