@@ -111,3 +111,21 @@ def test_an_fsdp2_fine_tune_through_launch_equals_the_same_function_on_launched_
 
     path = str(write_checkpoint(tmp_path / "base", "own-llama", "distinct", tie=False))
     assert launch(fine_tune_three_steps, 2, path) == ranks2.run(fine_tune_three_steps, path)[0]
+
+
+def test_an_interrupt_ends_every_rank(tmp_path):
+    """The kernel's stop button is a KeyboardInterrupt in the launching process."""
+    import signal
+    import subprocess
+    import sys
+
+    script = f"from tests.test_notebook_launch import sleep_forever\nfrom nemo_wrap.notebook import launch\n" \
+             f"launch(sleep_forever, 2, {str(tmp_path)!r})"
+    caller = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1])
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(list(tmp_path.glob("*.pid"))) == 2
+    caller.send_signal(signal.SIGINT)
+    assert caller.wait(timeout=30) != 0
+    assert _gone(tmp_path)
