@@ -1,0 +1,64 @@
+"""``model.gradient_checkpointing_enable()``, transformers' own switch, on our classes and the fallback:
+the same loss and gradients as without it, in one process and under every strategy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from nemo_wrap import DistributedSetup
+from nemo_wrap.auto import NeMoAutoModelForCausalLM
+from tests.checkpoints import write_checkpoint
+
+IDS = torch.arange(2 * 16).reshape(2, 16) * 5 % 257
+KINDS = [("own-llama", False), ("own-qwen3", False), ("llama", True)]
+
+
+def _loss_and_gradients(path: str, force_hf: bool, setup: DistributedSetup | None, checkpointing: bool):
+    model = NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup, force_hf=force_hf)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        assert model.is_gradient_checkpointing
+    calls = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
+    loss = model(IDS, labels=IDS).loss
+    loss.backward()
+    assert len(calls) == (2 if checkpointing else 1)  # checkpointed: the layer runs again in backward
+    gradients = {}
+    for name, parameter in model.named_parameters():
+        grad = parameter.grad
+        gradients[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).clone()
+    return float(loss), gradients
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checkpointing")
+    return {kind: str(write_checkpoint(root / kind, kind, "distinct", tie=False)) for kind, _ in KINDS}
+
+
+@pytest.mark.parametrize(("kind", "force_hf"), KINDS, ids=[k for k, _ in KINDS])
+def test_checkpointing_changes_nothing_in_one_process(checkpoints, kind, force_hf):
+    plain = _loss_and_gradients(checkpoints[kind], force_hf, None, checkpointing=False)
+    checkpointed = _loss_and_gradients(checkpoints[kind], force_hf, None, checkpointing=True)
+    assert checkpointed[0] == plain[0]
+    for name, gradient in plain[1].items():
+        torch.testing.assert_close(checkpointed[1][name], gradient, rtol=0, atol=0)
+
+
+def case_checkpointing(path: str, force_hf: bool, strategy: str, tp: int):
+    setup = DistributedSetup.build(strategy, dist.get_world_size(), tp_size=tp)
+    plain = _loss_and_gradients(path, force_hf, setup, checkpointing=False)
+    checkpointed = _loss_and_gradients(path, force_hf, setup, checkpointing=True)
+    differences = [float((checkpointed[1][n] - g).abs().max()) for n, g in plain[1].items()]
+    return plain[0], checkpointed[0], max(differences)
+
+
+@pytest.mark.parametrize(("strategy", "tp"), [("ddp", 1), ("fsdp2", 1), ("fsdp2", 2)], ids=["ddp", "fsdp2", "tp2"])
+@pytest.mark.parametrize(("kind", "force_hf"), KINDS, ids=[k for k, _ in KINDS])
+def test_checkpointing_changes_nothing_on_2_ranks(ranks2, checkpoints, kind, force_hf, strategy, tp):
+    for plain_loss, checkpointed_loss, difference in ranks2.run(case_checkpointing, checkpoints[kind], force_hf, strategy, tp):
+        assert checkpointed_loss == plain_loss and difference == 0.0
