@@ -22,9 +22,13 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from fnmatch import fnmatch
+from functools import partial
 from pathlib import Path
 
+from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.errors import CheckpointSaveError
 
 # Files of a previous save that a new one supersedes (weights, their index, DCP's shards).
@@ -91,6 +95,22 @@ def _merge(staged: Path, target: Path) -> None:
         os.replace(staged / name, target / name)
     _fsync(target)
     staged.rmdir()
+
+
+@contextmanager
+def staged_save(target: Path, group: RankGroup) -> Iterator[tuple[Path, Callable[[str], CheckpointSaveError]]]:
+    """A staging directory for ``target`` (made by the group's writer, every rank told the
+    outcome), and the error to raise on every rank for a failed step. The block writes into it and
+    puts it in place with :func:`replace_directory`; if the block raises, the writer removes it, so
+    the previous checkpoint at ``target`` stays untouched."""
+    failure = partial(save_failed, target)
+    staged = group.on_rank_zero("creating the staging directory", lambda: stage_directory(target), failure)
+    try:
+        yield staged, failure
+    except BaseException:
+        if group.is_writer:
+            discard(staged)
+        raise
 
 
 def save_failed(target: Path, description: str) -> CheckpointSaveError:

@@ -9,14 +9,13 @@ JSON and the exact-shape checks of a checkpoint.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import partial
 from pathlib import Path
 
 import torch
 from peft import LoraConfig
 from safetensors.torch import save_file
 
-from nemo_wrap.checkpoint.atomic import discard, replace_directory, save_failed, stage_directory
+from nemo_wrap.checkpoint.atomic import replace_directory, staged_save
 from nemo_wrap.checkpoint.locate import Checkpoint, require_inside, resolve_checkpoint_directory
 from nemo_wrap.checkpoint.safetensors_file import read_header
 from nemo_wrap.checkpoint.save import gather_full
@@ -56,10 +55,7 @@ def save_peft_adapter(
     Every rank of a collective ``group`` calls it; rank 0 writes. The directory appears atomically.
     """
     target = Path(save_directory).absolute()
-    failure = partial(save_failed, target)
-    staged = group.on_rank_zero("creating the staging directory", lambda: stage_directory(target), failure)
-    done = False
-    try:
+    with staged_save(target, group) as (staged, failure):
         full = {key: gather_full(tensor) for key, tensor in tensors.items()}  # same order on every rank
 
         def write() -> None:
@@ -68,7 +64,3 @@ def save_peft_adapter(
             replace_directory(staged, target)
 
         group.on_rank_zero("writing the adapter", write, failure)
-        done = True
-    finally:
-        if group.is_writer and not done:
-            discard(staged)

@@ -15,7 +15,6 @@ share (as DCP's own file writer does).
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from nemo_wrap.checkpoint.atomic import discard, replace_directory, save_failed, stage_directory
+from nemo_wrap.checkpoint.atomic import replace_directory, staged_save
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.errors import CheckpointNotFoundError
 
@@ -50,23 +49,16 @@ def save_checkpoint(
     """
     target = Path(directory).absolute()
     group = RankGroup.job()  # DCP is collective over the job
-    failure = partial(save_failed, target)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(step)}
     if data is not None:
         state["data"] = data
-    staged = group.on_rank_zero("creating the staging directory", lambda: stage_directory(target), failure)
-    done = False
-    try:
+    with staged_save(target, group) as (staged, failure):
         try:
             dcp.save(state, checkpoint_id=staged)
         except CheckpointException as error:  # raised on every rank when any rank failed
             raise failure(f"writing the sharded state failed: {error}") from error
         group.on_rank_zero("moving the checkpoint into place", lambda: replace_directory(staged, target), failure)
-        done = True
-    finally:
-        if group.is_writer and not done:
-            discard(staged)
 
 
 def load_checkpoint(

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from nemo_wrap.checkpoint.atomic import discard, replace_directory, save_failed, stage_directory
+from nemo_wrap.checkpoint.atomic import replace_directory, staged_save
 from nemo_wrap.checkpoint.locate import INDEX_FILE, SINGLE_FILE
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.errors import CheckpointSaveError, InvalidShardSizeError
@@ -78,17 +78,10 @@ def save_hf_checkpoint(
     target = Path(save_directory).absolute()
     limit = _parse_size(max_shard_size)
     tensors = _tensors_to_write(model, state_dict)
-    failure = partial(save_failed, target)
-    staged = group.on_rank_zero("creating the staging directory", lambda: stage_directory(target), failure)
-    done = False
-    try:
+    with staged_save(target, group) as (staged, failure):
         index = _write_files(tensors, _plan_files(tensors, limit), _hf_keys_converter(adapter), staged, group, failure)
         finish = partial(_finish, model, architecture, tensors, tokenizer, staged, target, index)
         group.on_rank_zero("writing the config and finishing", finish, failure)
-        done = True
-    finally:
-        if group.is_writer and not done:
-            discard(staged)
 
 
 def _write_files(
