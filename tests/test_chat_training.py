@@ -33,8 +33,8 @@ def test_every_row_once_per_epoch_and_equal_steps_per_rank():
         seen = []
         for rank in range(ranks):
             batches = DataParallelBatches(rows, micro_batch_size=2, seed=3, dp_rank=rank, dp_size=ranks)
-            steps = [step for _, step in zip(range(batches.steps_per_epoch), batches, strict=False)]
-            assert batches.state_dict()["step_in_epoch"] == batches.steps_per_epoch
+            steps = batches.rest_of_epoch()
+            assert len(steps) == batches.steps_per_epoch == batches.state_dict()["step_in_epoch"]
             seen += [int(first) for step in steps for mb in step for first in mb["input_ids"][:, 0] if first]
         assert sorted(seen) == [i + 4 for i in range(13)]
 
@@ -73,7 +73,7 @@ def case_evaluate(path: str, rows) -> float:
     setup = DistributedSetup.build("fsdp2", dist.get_world_size())
     model = NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup)
     batches = DataParallelBatches(rows, micro_batch_size=3, seed=0, dp_rank=dist.get_rank(), dp_size=2)
-    return evaluate(model, [mb for _, step in zip(range(batches.steps_per_epoch), batches, strict=False) for mb in step])
+    return evaluate(model, [mb for step in batches.rest_of_epoch() for mb in step])
 
 
 def test_evaluation_on_2_ranks_equals_one_process(ranks2, tmp_path):
@@ -95,7 +95,7 @@ def test_a_data_position_from_other_data_is_refused():
 
 def case_rows_seen_in_one_epoch(rows) -> list[int]:
     batches = DataParallelBatches(rows, micro_batch_size=2, seed=3, dp_rank=dist.get_rank(), dp_size=2)
-    steps = [step for _, step in zip(range(batches.steps_per_epoch), batches, strict=False)]
+    steps = batches.rest_of_epoch()
     return [int(first) for step in steps for mb in step for first in mb["input_ids"][:, 0] if first]
 
 

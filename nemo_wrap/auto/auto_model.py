@@ -28,6 +28,7 @@ from nemo_wrap.errors import (
     UnsupportedModelError,
 )
 from nemo_wrap.loading.plan import LoadPlan, make_load_plan
+from nemo_wrap.loading.read import checkpoint_shapes
 from nemo_wrap.models.lora import lora_settings
 from nemo_wrap.models.registry import ModelSource, resolve_model_source
 
@@ -60,7 +61,7 @@ class NeMoAutoModelForCausalLM:
             config, keys = path_or_config, None
         else:
             config, checkpoint = _open(path_or_config, allow_pickle, {}, RankGroup.local())
-            keys = list(checkpoint.entries or checkpoint.pickle_tensors or {})
+            keys = list(checkpoint_shapes(checkpoint))
         source = resolve_model_source(config, force_hf)
         check_loadable(source, config, distributed_setup, keys)  # the load's own refusals
         return _make_plan(source, config, distributed_setup, has_checkpoint=keys is not None)

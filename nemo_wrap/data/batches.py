@@ -55,6 +55,11 @@ class DataParallelBatches:
                 yield self._micro_batches(chosen)
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
 
+    def rest_of_epoch(self) -> list[list[Batch]]:
+        """The steps left in the current epoch (all of them for a fresh object), advancing to its end."""
+        remaining = self.steps_per_epoch - self.step_in_epoch
+        return [step for _, step in zip(range(remaining), self, strict=False)]
+
     def _micro_batches(self, chosen: list[int]) -> list[Batch]:
         rows = [self.rows[i] for i in chosen]
         rows += [_padding_row(self.rows[0])] * (self.micro_batch_size * self.accumulation - len(rows))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_wrap.data.labels import IGNORE_INDEX, LabelledExample, label_conversation, label_prompt_completion, label_text
+from nemo_wrap.data.packing import pack_examples
 from nemo_wrap.data.rows import Rows
 from nemo_wrap.errors import ChatDataError
 
@@ -57,8 +58,6 @@ def _label(format: str, row: dict[str, Any], tokenizer: Any, last_turn_only: boo
 
 def as_rows(examples: Sequence[LabelledExample], max_length: int, pad_token_id: int, pack: bool) -> list[dict]:
     """Fixed-length rows: several examples each when ``pack``, else one example per row, padded."""
-    from nemo_wrap.data.packing import pack_examples
-
     if pack:
         return pack_examples(examples, max_length, pad_token_id)
     return [pack_examples([example], max_length, pad_token_id)[0] for example in examples]

@@ -30,7 +30,8 @@ _POSITIVE_SIZES = (
     "head_dim",
 )
 # Sizes that may be zero (a dense model has no experts) but never negative.
-_NON_NEGATIVE_SIZES = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+_NON_NEGATIVE_SIZES = (*_EXPERT_COUNTS, "moe_intermediate_size")
 # Checkpoint keys of decoder layers: ``model.layers.3.``, GPT-2's ``transformer.h.3.``, ``blocks.3.``.
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
 
@@ -115,7 +116,7 @@ def minimum_parameter_count(config: PretrainedConfig) -> int:
     hidden = getattr(config, "hidden_size", 0) or 0
     heads = getattr(config, "num_attention_heads", 0) or 0
     head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
-    experts = max([1, *(getattr(config, f, 0) or 0 for f in _NON_NEGATIVE_SIZES[:3])])
+    experts = max([1, *(getattr(config, f, 0) or 0 for f in _EXPERT_COUNTS)])
     ffn = (getattr(config, "moe_intermediate_size", None) if experts > 1 else None) or getattr(
         config, "intermediate_size", 0
     )

@@ -19,6 +19,7 @@ from peft import LoraConfig
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.checkpoint.resume import load_checkpoint, save_checkpoint
 from nemo_wrap.data import DataParallelBatches, as_rows, load_rows, prepare_examples
+from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.progress import progress_bar
@@ -73,7 +74,7 @@ def run_sft(
     )
     total = config.steps or config.epochs * batches.steps_per_epoch
     start = load_checkpoint(config.resume, model, optimizer, data=batches) if config.resume else 0
-    log = MetricsLog(config.log_dir, is_writer=_is_rank_zero())
+    log = MetricsLog(config.log_dir, is_writer=RankGroup.job().is_writer)
     evaluation = _evaluation(model, eval_rows, config, dp_rank, setup.dp_size)
     try:
         _train(model, optimizer, batches, range(start, total), config, log, evaluation)
@@ -100,7 +101,7 @@ def _evaluation(
     if rows is None:
         return None
     batches = DataParallelBatches(rows, config.micro_batch_size, seed=0, dp_rank=dp_rank, dp_size=dp_size)
-    micro_batches = [mb for _, step in zip(range(batches.steps_per_epoch), batches, strict=False) for mb in step]
+    micro_batches = [micro_batch for step in batches.rest_of_epoch() for micro_batch in step]
     return lambda: evaluate(model, micro_batches)
 
 
@@ -114,7 +115,7 @@ def _train(
     evaluation: Callable[[], float] | None,
 ) -> None:
     total, iterator = steps.stop, iter(batches)
-    with progress_bar(len(steps), "finetune", _is_rank_zero(), unit="step") as bar:
+    with progress_bar(len(steps), "finetune", RankGroup.job().is_writer, unit="step") as bar:
         for step in steps:
             rate = learning_rate(step, config.lr, config.warmup_steps, total, config.lr_schedule)
             for group in optimizer.param_groups:
@@ -132,9 +133,3 @@ def _train(
                 checkpoint = Path(config.output_dir) / f"checkpoint-{step + 1}"
                 save_checkpoint(checkpoint, model, optimizer, step + 1, data=batches)
             bar.update(1)
-
-
-def _is_rank_zero() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
