@@ -17,16 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_training_step import llama_100m_config  # the same 100M Llama (run from benchmarks/)
+
 BATCH, SEQUENCE, WARMUP, STEPS = 2, 256, 1, 6
 CASES = ("full", "lora", "peft")
-
-
-def _config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                       num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024,
-                       tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
 
 
 def _rss_mb() -> float:
@@ -86,7 +80,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         from transformers import LlamaForCausalLM
 
-        LlamaForCausalLM(_config()).save_pretrained(directory)
+        LlamaForCausalLM(llama_100m_config()).save_pretrained(directory)
         results = {}
         for kind in CASES:
             run = subprocess.run([sys.executable, __file__, kind, directory], capture_output=True, text=True, check=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 BATCH, SEQUENCE, WARMUP, STEPS = 2, 256, 1, 4
 
 
-def _config():
+def llama_100m_config():
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
@@ -44,7 +44,7 @@ def _measure(kind: str, output: Path) -> None:
     batches = [torch.randint(0, 32000, (BATCH, SEQUENCE), generator=generator) for _ in range(WARMUP + STEPS)]
     if kind == "plain-ddp":
         torch.manual_seed(0)
-        model = DistributedDataParallel(LlamaForCausalLM(_config()))
+        model = DistributedDataParallel(LlamaForCausalLM(llama_100m_config()))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step(tokens):
@@ -55,7 +55,7 @@ def _measure(kind: str, output: Path) -> None:
     else:
         strategy, tp = {"ddp": ("ddp", 1), "fsdp2": ("fsdp2", 1), "tp": ("fsdp2", 2)}[kind]
         setup = DistributedSetup.build(strategy, env.world_size, tp_size=tp)
-        model = NeMoAutoModelForCausalLM.from_config(_config(), distributed_setup=setup, seed=0)
+        model = NeMoAutoModelForCausalLM.from_config(llama_100m_config(), distributed_setup=setup, seed=0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step(tokens):
@@ -81,7 +81,7 @@ def _config_params():
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
-        return list(LlamaForCausalLM(_config()).parameters())
+        return list(LlamaForCausalLM(llama_100m_config()).parameters())
 
 
 def main() -> None:

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import struct
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nemo_wrap import errors
+from tests.measure import measured
 
 
 @dataclass(frozen=True)
@@ -270,11 +269,6 @@ CASES = [
 
 
 # -- the runner ------------------------------------------------------------------------------------
-def _memory_mb(field_name: str) -> float:
-    status = Path("/proc/self/status").read_text()
-    return int(re.search(field_name + r":\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
-
-
 def run_case(case: Case, good: Path, workdir: Path) -> dict[str, Any]:
     from nemo_wrap import NeMoAutoModelForCausalLM
 
@@ -283,21 +277,20 @@ def run_case(case: Case, good: Path, workdir: Path) -> dict[str, Any]:
     shutil.copy(good / "model.safetensors", workdir / "good.safetensors")
     target = case.build(path)
     target = target if isinstance(target, Path) else path
-    Path("/proc/self/clear_refs").write_text("5")  # the peak RSS mark starts again from here
-    start_mb, started = _memory_mb("VmRSS"), time.monotonic()
     error: BaseException | None = None
-    try:
-        NeMoAutoModelForCausalLM.from_pretrained(target, **{"force_hf": True, **case.kwargs})
-    except BaseException as caught:  # the point: record whatever escapes
-        error = caught
+    with measured() as measurement:
+        try:
+            NeMoAutoModelForCausalLM.from_pretrained(target, **{"force_hf": True, **case.kwargs})
+        except BaseException as caught:  # the point: record whatever escapes
+            error = caught
     return {
         "id": case.id,
         "error": None if error is None else type(error).__name__,
         "nemo": isinstance(error, errors.NeMoWrapError),
         "expected": isinstance(error, case.error),
         "message": "" if error is None else str(error),
-        "seconds": time.monotonic() - started,
-        "peak_mb": _memory_mb("VmHWM") - start_mb,
+        "seconds": measurement.seconds,
+        "peak_mb": measurement.peak_mb,
     }
 
 

@@ -4,9 +4,7 @@ load or a :class:`NeMoWrapError` — never another exception, never more than se
 from __future__ import annotations
 
 import json
-import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from nemo_wrap.checkpoint.locate import Checkpoint, open_checkpoint
 from nemo_wrap.checkpoint.safetensors_file import read_header
 from nemo_wrap.errors import NeMoWrapError
 from tests.checkpoints import write_checkpoint
+from tests.measure import measured
 
 SECONDS = 5.0
 PEAK_MB = 400.0
@@ -49,20 +48,15 @@ def fresh(good, tmp_path_factory):
     return make
 
 
-def _memory_mb(field: str) -> float:
-    return int(re.search(field + r":\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
-
-
 def _bounded(action) -> object:
     """``action()``'s result, or its NeMoWrapError; anything else, or too much time or memory, fails."""
-    Path("/proc/self/clear_refs").write_text("5")
-    start_mb, started = _memory_mb("VmRSS"), time.monotonic()
-    try:
-        result: object = action()
-    except NeMoWrapError as error:
-        result = error
-    assert time.monotonic() - started < SECONDS
-    assert _memory_mb("VmHWM") - start_mb < PEAK_MB
+    with measured() as measurement:
+        try:
+            result: object = action()
+        except NeMoWrapError as error:
+            result = error
+    assert measurement.seconds < SECONDS
+    assert measurement.peak_mb < PEAK_MB
     return result
 
 

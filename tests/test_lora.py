@@ -121,13 +121,18 @@ def _setup(strategy: str) -> DistributedSetup:
     return DistributedSetup.build(strategy, world)
 
 
-def case_train_and_save_lora(base: str, strategy: str, out: str) -> list[float]:
-    setup = _setup(strategy)
+def _trainable_lora(base, setup: DistributedSetup | None = None):
+    """All-linear LoRA, seeded, with a non-zero B so training moves the logits from the first step."""
     model = NeMoAutoModelForCausalLM.from_pretrained(base, distributed_setup=setup, peft_config=_lora(TARGETS[2]), seed=0)
-    with torch.no_grad():  # a non-zero B, so training moves the logits from the first step
+    with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("lora_B"):
                 parameter.fill_(0.01)
+    return model
+
+
+def case_train_and_save_lora(base: str, strategy: str, out: str) -> list[float]:
+    model = _trainable_lora(base, _setup(strategy))
     losses = _train_two_steps(model)
     model.save_pretrained(out)
     model.save_pretrained(out + "-merged", merge_adapters=True)
@@ -143,11 +148,7 @@ def case_load_adapter(base: str, strategy: str, adapter: str) -> list[float]:
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp", "tp"])
 def test_lora_trains_the_same_on_2_ranks_and_saves_an_adapter_peft_loads(ranks2, base, strategy, tmp_path):
-    single = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(TARGETS[2]), seed=0)
-    with torch.no_grad():
-        for name, parameter in single.named_parameters():
-            if name.endswith("lora_B"):
-                parameter.fill_(0.01)
+    single = _trainable_lora(base)
     expected_losses = _train_two_steps(single)
     single.save_pretrained(tmp_path / "single")
     losses = ranks2.run(case_train_and_save_lora, str(base), strategy, str(tmp_path / "ranks"), timeout=120)
@@ -169,11 +170,7 @@ def test_lora_trains_the_same_on_2_ranks_and_saves_an_adapter_peft_loads(ranks2,
 
 def test_lora_on_a_2_by_2_mesh_trains_and_saves_like_one_process(ranks4, tmp_path):
     base = write_checkpoint(tmp_path / "base", "own-qwen3", "distinct", tie=False)
-    single = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(TARGETS[2]), seed=0)
-    with torch.no_grad():
-        for name, parameter in single.named_parameters():
-            if name.endswith("lora_B"):
-                parameter.fill_(0.01)
+    single = _trainable_lora(base)
     expected_losses = _train_two_steps(single)
     losses = ranks4.run(case_train_and_save_lora, str(base), "2x2", str(tmp_path / "ranks"), timeout=180)
     for rank_losses in losses:
