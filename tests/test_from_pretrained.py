@@ -133,7 +133,8 @@ def case_verify(path, strategy, tp_size, corrupt_rank):
     setup = DistributedSetup.build(strategy, 2, tp_size=tp_size)
     model = NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup, force_hf=True, verify=True)
     verified = model.load_report.verified
-    # Now damage one element of one rank's shard and verify again: it must be caught everywhere.
+    # Now damage one rank's shards and verify again: it must be caught everywhere. One bit of one
+    # element flipped in one tensor; two unequal elements of another swapped (same values, wrong place).
     import torch.distributed as dist
 
     from nemo_wrap.distributed.collectives import RankGroup
@@ -141,10 +142,13 @@ def case_verify(path, strategy, tp_size, corrupt_rank):
     from nemo_wrap.checkpoint.locate import open_checkpoint
     from pathlib import Path
 
-    weight = model.model.layers[1].self_attn.o_proj.weight
+    flipped = local_shard(model.model.layers[1].self_attn.o_proj.weight).view(-1)
+    swapped = local_shard(model.model.layers[0].mlp.down_proj.weight).view(-1)
     if dist.get_rank() == corrupt_rank:
         with torch.no_grad():
-            local_shard(weight).view(-1)[3] += 1.0
+            flipped.view(torch.int32)[3] ^= 1
+            assert swapped[0] != swapped[1]
+            swapped[[0, 1]] = swapped[[1, 0]].clone()
     distinct, _ = checkpoint_tensors(model)
     try:
         checkpoint = open_checkpoint(Path(path))
@@ -158,7 +162,8 @@ def case_verify(path, strategy, tp_size, corrupt_rank):
 def test_verify_proves_the_load_and_catches_a_damaged_shard(ranks2, checkpoints, strategy, tp_size):
     for verified, error in ranks2.run(case_verify, checkpoints[("distinct", False)], strategy, tp_size, 1):
         assert verified is True
-        assert error is not None and "model.layers.1.self_attn.o_proj.weight" in error
+        assert error is not None and "2 tensor(s) differ" in error
+        assert "model.layers.1.self_attn.o_proj.weight" in error and "model.layers.0.mlp.down_proj.weight" in error
 
 
 def test_hub_id_resolves_through_a_prepopulated_offline_cache(checkpoints, tmp_path):

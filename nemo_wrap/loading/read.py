@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -26,8 +27,9 @@ from nemo_wrap.loading.provenance import Loaded, Missing, Provenance, Tied
 from nemo_wrap.progress import progress_bar
 from nemo_wrap.state_dict import IdentityAdapter, SourceBlock, StateDictAdapter, checkpoint_tensors
 
-# (checkpoint key, one step-1 slice per checkpoint-tensor dim, destination of that block's shape)
-CopyBlock = Callable[[str, tuple[slice, ...], torch.Tensor], None]
+# (checkpoint key, one step-1 slice per checkpoint-tensor dim) → a view of that window of the
+# checkpoint tensor, valid inside the ``with`` block
+BlockView = Callable[[str, tuple[slice, ...]], AbstractContextManager[torch.Tensor]]
 
 
 def read_into_model(
@@ -43,11 +45,11 @@ def read_into_model(
     distinct, tied = checkpoint_tensors(model)
     provenance: dict[str, Provenance] = {}
     used: set[str] = set()
-    copy_block = checkpoint_copier(checkpoint, reader)
+    view_block = checkpoint_blocks(checkpoint, reader)
     shapes = checkpoint_shapes(checkpoint)
     with torch.no_grad(), progress_bar(len(distinct), "loading", show_progress) as bar:
         for name, tensor in distinct.items():
-            found = provenance[name] = _read_one(name, tensor, adapter, transform, checkpoint, shapes, copy_block)
+            found = provenance[name] = _read_one(name, tensor, adapter, transform, checkpoint, shapes, view_block)
             if isinstance(found, Loaded):
                 used.update(found.keys)
             bar.update(1)
@@ -57,17 +59,13 @@ def read_into_model(
     return provenance, used
 
 
-def checkpoint_copier(checkpoint: Checkpoint, reader: BlockReader) -> CopyBlock:
-    """How one block is copied: exact-byte reads from the files, or slices of allowed pickle tensors."""
+def checkpoint_blocks(checkpoint: Checkpoint, reader: BlockReader) -> BlockView:
+    """Where blocks come from: views of the mapped safetensors files, or of allowed pickle tensors."""
     if checkpoint.pickle_tensors is not None:
         tensors = checkpoint.pickle_tensors
-
-        def copy_from_memory(key: str, source: tuple[slice, ...], out: torch.Tensor) -> None:
-            out.copy_(tensors[key][source])
-
-        return copy_from_memory
+        return lambda key, window: nullcontext(tensors[key][window])
     entries = checkpoint.entries
-    return lambda key, source, out: reader.read_block_into(entries[key], source, out)
+    return lambda key, window: reader.block(entries[key], window)
 
 
 def _read_one(
@@ -77,7 +75,7 @@ def _read_one(
     transform: str,
     checkpoint: Checkpoint,
     shapes: dict[str, tuple[int, ...]],
-    copy_block: CopyBlock,
+    view_block: BlockView,
 ) -> Provenance:
     geometry = shard_geometry(tensor, name)
     blocks = adapter.blocks(name, geometry.global_shape)
@@ -86,7 +84,7 @@ def _read_one(
         return Missing(adapter.expected_keys(name))
     check_blocks(name, geometry.global_shape, blocks, shapes, checkpoint)
     _check_dtype_kind(name, tensor.dtype, keys, checkpoint)
-    fill_from_blocks(local_shard(tensor), geometry, blocks, copy_block)
+    fill_from_blocks(local_shard(tensor), geometry, blocks, view_block)
     files = ("pickle",) if checkpoint.pickle_tensors is not None else _files_of(keys, checkpoint.entries)
     return Loaded(files, keys, transform)
 
@@ -168,7 +166,7 @@ def _mismatch(
 
 
 def fill_from_blocks(
-    local: torch.Tensor, geometry: ShardGeometry, blocks: list[SourceBlock], copy_block: CopyBlock
+    local: torch.Tensor, geometry: ShardGeometry, blocks: list[SourceBlock], view_block: BlockView
 ) -> None:
     """Copy into ``local`` (this rank's shard, laid out by ``geometry``) its part of every block."""
     if geometry.is_empty:
@@ -184,7 +182,8 @@ def fill_from_blocks(
             source = tuple(
                 slice(w.start + o.start, w.start + o.stop) for o, w in zip(offsets, block.source, strict=True)
             )
-            copy_block(block.hf_key, source, out)
+            with view_block(block.hf_key, source) as data:
+                out.copy_(data)
 
 
 def _dim_runs(index: torch.Tensor, window: slice) -> list[tuple[int, int, int, int]]:

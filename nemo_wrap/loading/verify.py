@@ -1,17 +1,16 @@
 """``verify=True``: prove, after loading, that the ranks together hold exactly the checkpoint.
 
-Per tensor, a checksum of bit patterns keyed by global element index: the sum over elements of
-``bits(x[i]) * weight(i)`` modulo the prime 2**31 - 1. It is exact integer arithmetic, so it does not
-depend on summation order, on how the tensor is sharded, or on which rank holds what — a value in
-the wrong place changes it. The expected side re-reads the checkpoint (the one allowed second
-read), each tensor on one rank in turn; the actual side sums the local shards of the ranks that own
-a distinct piece (replicas along ``Replicate`` mesh dims count once). Plain tensors, replicated by
-DDP, are compared on every rank.
+Per tensor, an exact checksum of bit patterns keyed by global position (:mod:`.checksum`): it does
+not depend on summation order, on how the tensor is sharded, or on which rank holds what — a value
+in the wrong place changes it. The expected side re-reads the checkpoint (the one allowed second
+read), each tensor on one rank in turn, window by window straight from the mapped files as the
+adapter names them, in global coordinates — not through the loader's shard geometry, which is
+what it checks; the actual side sums the local shards of the ranks that own a distinct piece
+(replicas along ``Replicate`` mesh dims count once). Plain tensors, replicated by DDP, are compared
+on every rank.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
@@ -21,28 +20,11 @@ from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
 from nemo_wrap.distributed.collectives import RankGroup, collective_device
 from nemo_wrap.errors import LoadVerificationError, summarize
-from nemo_wrap.initialization.geometry import ShardGeometry, local_shard, shard_geometry
+from nemo_wrap.initialization.geometry import local_shard, shard_geometry
+from nemo_wrap.loading.checksum import PRIME, checksum
 from nemo_wrap.loading.provenance import Loaded, Provenance
-from nemo_wrap.loading.read import CopyBlock, checkpoint_copier, fill_from_blocks
+from nemo_wrap.loading.read import BlockView, checkpoint_blocks
 from nemo_wrap.state_dict import StateDictAdapter
-
-_PRIME = 2**31 - 1
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _checksum(values: torch.Tensor, geometry: ShardGeometry) -> int:
-    """Σ bits(values[i]) · weight(global index of i)  mod 2**31 - 1, for a local block."""
-    if values.numel() == 0:
-        return 0
-    bits = values.detach().contiguous().view(_BITS[values.element_size()]).to(torch.int64)
-    bits = torch.remainder(bits, _PRIME).reshape(-1)
-    shape = geometry.global_shape
-    flat = torch.zeros(geometry.local_shape, dtype=torch.int64)
-    for dim, index in enumerate(geometry.dim_indices):
-        stride = math.prod(shape[dim + 1 :])
-        flat = flat + index.view([-1 if d == dim else 1 for d in range(len(shape))]) * stride
-    weights = torch.remainder(flat.reshape(-1) * 40503 + 7919, _PRIME)
-    return int(torch.remainder(torch.remainder(bits * weights, _PRIME).sum(), _PRIME))
 
 
 def _owns_distinct_piece(tensor: DTensor) -> bool:
@@ -62,11 +44,17 @@ def _owns_distinct_piece(tensor: DTensor) -> bool:
     )
 
 
-def _expected_full(name: str, like: torch.Tensor, adapter: StateDictAdapter, copy_block: CopyBlock) -> torch.Tensor:
-    """The full tensor the checkpoint holds for ``name``, assembled as the loader would (one process)."""
-    full = torch.empty(tuple(like.shape), dtype=like.dtype)
-    fill_from_blocks(full, shard_geometry(full, name), adapter.blocks(name, tuple(like.shape)), copy_block)
-    return full
+def _expected_checksum(name: str, like: torch.Tensor, adapter: StateDictAdapter, view_block: BlockView) -> int:
+    """The checksum of the full tensor the checkpoint holds for ``name``, in ``like``'s dtype."""
+    total = 0
+    for block in adapter.blocks(name, tuple(like.shape)):
+        with view_block(block.hf_key, block.source) as window:
+            values = window if window.dtype == like.dtype else window.to(like.dtype)
+            if block.stacked:  # the checkpoint tensor lacks the stacking dim 0
+                values = values.unsqueeze(0)
+            indices = [torch.arange(s.start, s.stop, s.step or 1) for s in block.target]
+            total += checksum(values, indices, tuple(like.shape))
+    return total % PRIME
 
 
 def verify_load(
@@ -84,19 +72,19 @@ def verify_load(
     expected = torch.zeros(len(names), dtype=torch.int64)
     actual = torch.zeros(len(names), dtype=torch.int64)
     with BlockReader() as reader, torch.no_grad():
-        copy_block = checkpoint_copier(checkpoint, reader)
+        view_block = checkpoint_blocks(checkpoint, reader)
         for i, name in enumerate(names):
             tensor = tensors[name]
             if i % world == rank:
-                full = _expected_full(name, tensor, adapter, copy_block)
-                expected[i] = _checksum(full, shard_geometry(full, name))
+                expected[i] = _expected_checksum(name, tensor, adapter, view_block)
             if not isinstance(tensor, DTensor) or _owns_distinct_piece(tensor):
-                actual[i] = _checksum(local_shard(tensor), shard_geometry(tensor, name))
+                geometry = shard_geometry(tensor, name)
+                actual[i] = checksum(local_shard(tensor), geometry.dim_indices, geometry.global_shape)
     is_dtensor = torch.tensor([isinstance(tensors[n], DTensor) for n in names], dtype=torch.bool)
     if distributed:
         both = torch.stack([expected, torch.where(is_dtensor, actual, torch.zeros_like(actual))]).to(device)
         dist.all_reduce(both)
-        expected, reduced = both[0].cpu() % _PRIME, both[1].cpu() % _PRIME
+        expected, reduced = both[0].cpu() % PRIME, both[1].cpu() % PRIME
         actual = torch.where(is_dtensor, reduced, actual)
     wrong = (expected != actual).to(torch.int64)
     if distributed:  # every rank raises, naming every tensor wrong anywhere
