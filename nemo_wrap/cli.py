@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from nemo_wrap.distributed import DistributedSetup, destroy_distributed, initialize_distributed
+from nemo_wrap.distributed import PRECISIONS, DistributedSetup, destroy_distributed, initialize_distributed
 from nemo_wrap.distributed.strategies import strategy_names
 from nemo_wrap.errors import InvalidSetupError, NeMoWrapError, TokenizerNotFoundError
 from nemo_wrap.validation import require_positive_int
@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sub.add_argument("--strategy", default="fsdp2", help=f"{' | '.join(strategy_names())} (default fsdp2)")
         sub.add_argument("--tp-size", type=_positive_int, default=1, help="tensor-parallel degree (default 1)")
+        sub.add_argument(
+            "--precision",
+            choices=PRECISIONS,
+            default=None,
+            help="fp32 | bf16 | bf16-mixed (fp32 master weights, bf16 compute); default: the checkpoint's dtype",
+        )
         sub.add_argument(
             "--nproc",
             type=_positive_int,
@@ -187,7 +193,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     world_size = args.nproc or _launched_world_size() or 1
     setup = DistributedSetup.build(args.strategy, world_size, tp_size=args.tp_size)
-    print(NeMoAutoModelForCausalLM.plan(_model_path(args), distributed_setup=setup))
+    print(NeMoAutoModelForCausalLM.plan(_model_path(args), distributed_setup=setup, precision=args.precision))
     return 0
 
 
@@ -198,7 +204,9 @@ def _run_report(args: argparse.Namespace) -> int:
     env = initialize_distributed()
     try:
         setup = DistributedSetup.build(args.strategy, env.world_size, tp_size=args.tp_size)
-        model = NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup, verify=True)
+        model = NeMoAutoModelForCausalLM.from_pretrained(
+            path, distributed_setup=setup, verify=True, precision=args.precision
+        )
         if env.is_main_process:
             print(model.load_report)
     finally:
@@ -232,7 +240,7 @@ def _run_sft(args: argparse.Namespace) -> int:
             eval_every=args.eval_every, steps=args.steps, epochs=args.epochs, micro_batch_size=args.batch_size,
             accumulation=args.accumulation, lr=args.lr, warmup_steps=args.warmup_steps,
             lr_schedule=args.lr_schedule, max_grad_norm=args.max_grad_norm, seed=args.seed, log_dir=args.log_dir,
-            save_every=args.save_every, resume=args.resume, lora=lora,
+            save_every=args.save_every, resume=args.resume, lora=lora, precision=args.precision,
         )  # fmt: skip
         records = run_sft(path, setup, config, tokenizer, say)
         losses = [r["loss"] for r in records if "loss" in r]
@@ -257,12 +265,12 @@ def _run_finetune(args: argparse.Namespace) -> int:
     try:
         setup = DistributedSetup.build(args.strategy, env.world_size, tp_size=args.tp_size)
         say = print if env.is_main_process else (lambda *_: None)
-        say(NeMoAutoModelForCausalLM.plan(path, distributed_setup=setup))
+        say(NeMoAutoModelForCausalLM.plan(path, distributed_setup=setup, precision=args.precision))
         # Tokenizer and data first: every rank fails on them alike, before the load's collectives.
         tokenizer = _tokenizer(path)
         data = Path(args.data) if args.data else bundled_corpus()
         windows = read_token_windows(data, tokenizer, args.seq_len)
-        model = NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup)
+        model = NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup, precision=args.precision)
         say(cast("LoadReport", model.load_report).summary())
         dp_rank = setup.device_mesh().get_local_rank("dp") if setup.dp_size > 1 else 0
         batches = iterate_batches(windows, args.batch_size, args.seed, dp_rank, setup.dp_size)

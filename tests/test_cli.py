@@ -86,6 +86,9 @@ def test_plan_describes_a_job_without_launching_it(cache, capsys):
     out = capsys.readouterr().out
     assert out.startswith("load plan: NeMoLlamaForCausalLM") and "fsdp2 on 4 rank(s), tp=2" in out
     assert not dist.is_initialized()
+    assert main(["plan", "--nproc", "4", "--tp-size", "2", "--precision", "bf16-mixed"]) == 0
+    out = capsys.readouterr().out
+    assert "precision: bf16-mixed: fp32 master weights and optimizer state, bf16 compute (fully_shard's" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's answer")

@@ -21,6 +21,7 @@ from nemo_wrap.checkpoint.locate import Checkpoint, open_checkpoint, require_ins
 from nemo_wrap.checkpoint.peft_adapter import open_adapter
 from nemo_wrap.checkpoint.strict_json import read_json_file
 from nemo_wrap.distributed.collectives import RankGroup
+from nemo_wrap.distributed.precision import Precision, parameter_dtype, precision_plan
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import (
     CheckpointNotFoundError,
@@ -50,6 +51,8 @@ class NeMoAutoModelForCausalLM:
         distributed_setup: DistributedSetup | None = None,
         force_hf: bool = False,
         allow_pickle: bool = False,
+        precision: Precision | None = None,
+        dtype: torch.dtype | str | None = None,
     ) -> LoadPlan:
         """The load plan for a checkpoint directory (or a config: no checkpoint), reading no weights.
 
@@ -57,14 +60,16 @@ class NeMoAutoModelForCausalLM:
         config that cannot be built, tensor parallel the model cannot take, checkpoint keys that
         cannot be mapped), with the same error. Only the checkpoint's headers are read.
         """
+        checkpoint: Checkpoint | None = None
         if isinstance(path_or_config, PretrainedConfig):
-            config, keys = path_or_config, None
+            config = path_or_config
         else:
             config, checkpoint = _open(path_or_config, allow_pickle, {}, RankGroup.local())
-            keys = list(checkpoint_shapes(checkpoint))
+        keys = None if checkpoint is None else list(checkpoint_shapes(checkpoint))
         source = resolve_model_source(config, force_hf)
         check_loadable(source, config, distributed_setup, keys)  # the load's own refusals
-        return _make_plan(source, config, distributed_setup, has_checkpoint=keys is not None)
+        parameters = _parameter_dtype(dtype, precision, config, checkpoint)
+        return _make_plan(source, config, distributed_setup, checkpoint is not None, (precision, parameters))
 
     @classmethod
     def model_class(cls, config: PretrainedConfig, force_hf: bool = False) -> type[PreTrainedModel]:
@@ -84,6 +89,7 @@ class NeMoAutoModelForCausalLM:
         seed: int | None = None,
         peft_config: LoraConfig | None = None,
         adapter: str | Path | None = None,
+        precision: Precision | None = None,
         **config_overrides: Any,
     ) -> PreTrainedModel:
         """Load ``path`` (a checkpoint directory or hub id) sharded as ``distributed_setup`` says.
@@ -96,8 +102,10 @@ class NeMoAutoModelForCausalLM:
         initializing what the checkpoint lacks. ``verify`` re-reads the checkpoint and compares
         per-tensor checksums with what every rank holds. ``seed`` seeds whatever is initialized.
         ``peft_config`` (a ``peft.LoraConfig``) adds new LoRA adapters and freezes the base;
-        ``adapter`` (a PEFT adapter directory) loads an existing one, trainable. The result carries
-        ``model.load_report``.
+        ``adapter`` (a PEFT adapter directory) loads an existing one, trainable. ``precision``
+        (``"fp32"``, ``"bf16"``, ``"bf16-mixed"``) sets the parameters' dtype and how compute and
+        gradient reduction are cast (see :mod:`nemo_wrap.distributed.precision`). The result
+        carries ``model.load_report``.
         """
         group = RankGroup.of(sharded=distributed_setup is not None)
         config, checkpoint = group.on_every_rank(
@@ -105,9 +113,9 @@ class NeMoAutoModelForCausalLM:
         )
         lora = group.on_every_rank("opening the adapter", lambda: _lora_request(peft_config, adapter))
         source = resolve_model_source(config, force_hf=force_hf)
-        plan = _make_plan(source, config, distributed_setup, has_checkpoint=True, lora=lora)
-        dtype = _resolve_dtype(dtype, config, checkpoint)
-        pipeline = LoadPipeline(plan, source, config, dtype, distributed_setup, seed, checkpoint, strict, verify)
+        parameters = _parameter_dtype(dtype, precision, config, checkpoint)
+        plan = _make_plan(source, config, distributed_setup, True, (precision, parameters), lora)
+        pipeline = LoadPipeline(plan, source, config, parameters, distributed_setup, seed, checkpoint, strict, verify)
         pipeline.lora = lora
         return pipeline.run()
 
@@ -119,16 +127,19 @@ class NeMoAutoModelForCausalLM:
         seed: int | None = None,
         dtype: torch.dtype | str | None = None,
         force_hf: bool = False,
+        precision: Precision | None = None,
     ) -> PreTrainedModel:
         """A freshly initialized model, sharded as ``distributed_setup`` says (one process if ``None``).
 
         ``seed`` fixes the init (default: rank 0's ``torch.initial_seed()``, shared with all ranks);
         the full weights are the same for every strategy and world size. ``dtype=None`` (or
-        ``"auto"``) means the config's dtype, float32 when it names none.
+        ``"auto"``) means the config's dtype, float32 when it names none; ``precision`` as in
+        :meth:`from_pretrained`.
         """
         source = resolve_model_source(config, force_hf=force_hf)
-        plan = _make_plan(source, config, distributed_setup, has_checkpoint=False)
-        return LoadPipeline(plan, source, config, _resolve_dtype(dtype, config, None), distributed_setup, seed).run()
+        parameters = _parameter_dtype(dtype, precision, config, None)
+        plan = _make_plan(source, config, distributed_setup, False, (precision, parameters))
+        return LoadPipeline(plan, source, config, parameters, distributed_setup, seed).run()
 
 
 def _make_plan(
@@ -136,18 +147,23 @@ def _make_plan(
     config: PretrainedConfig,
     setup: DistributedSetup | None,
     has_checkpoint: bool,
+    precision: tuple[Precision | None, torch.dtype],
     lora: LoraRequest | None = None,
 ) -> LoadPlan:
+    """The plan; ``precision`` is the ``precision=`` argument and the parameters' resolved dtype."""
+    strategy = None if setup is None else setup.strategy
+    dp_size = 1 if setup is None else setup.world_size // setup.tp_size
     return make_load_plan(
         model_class=source.model_class.__name__,
         is_custom=source.is_custom,
         source_reason=source.reason,
-        strategy=None if setup is None else setup.strategy,
+        strategy=strategy,
         world_size=1 if setup is None else setup.world_size,
         tp_size=1 if setup is None else setup.tp_size,
         has_checkpoint=has_checkpoint,
         key_mapping=source.spec.key_mapping(source.architecture, config.model_type),
         adapters=None if lora is None else lora.plan_kind,
+        precision=precision_plan(*precision, strategy, dp_size),
     )
 
 
@@ -193,6 +209,17 @@ def _load_config(directory: Path, overrides: dict[str, Any]) -> PretrainedConfig
             f"from_pretrained nor an attribute of {type(config).__name__} ({config_path})"
         )
     return config
+
+
+def _parameter_dtype(
+    dtype: torch.dtype | str | None,
+    precision: Precision | None,
+    config: PretrainedConfig,
+    checkpoint: Checkpoint | None,
+) -> torch.dtype:
+    """The parameters' dtype: ``precision``'s (an explicit ``dtype`` must agree), else ``dtype``'s."""
+    explicit = None if dtype is None or dtype == "auto" else _resolve_dtype(dtype, config, checkpoint)
+    return parameter_dtype(precision, explicit) or _resolve_dtype(dtype, config, checkpoint)
 
 
 def _resolve_dtype(

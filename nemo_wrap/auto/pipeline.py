@@ -22,6 +22,7 @@ from nemo_wrap.auto.model_mixin import no_cache_while_training
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
 from nemo_wrap.distributed.collectives import RankGroup, collective_device, device_memory_bytes
+from nemo_wrap.distributed.precision import apply_autocast, strategy_options
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.distributed.sharding import shard_model
 from nemo_wrap.distributed.tensor_parallel import TensorParallelPlan, check_tensor_parallel_supported
@@ -102,10 +103,14 @@ class LoadPipeline:
         element_size = torch.empty((), dtype=self.dtype).element_size()
         shards = 1 if self.setup is None else self.setup.parameter_shards
         check_size_budget(self.config, element_size, shards, device_memory_bytes(collective_device()))
+        if self.setup is not None and self.plan.precision is not None:  # refuse conflicting dtypes now
+            strategy_options(self.plan.precision, self.setup.strategy, self.setup.options)
 
     def build_on_meta(self) -> None:
         self.model = build_on_meta(loadable_class(self.source), self.config, self.dtype)
         self.model.register_forward_pre_hook(no_cache_while_training, with_kwargs=True)
+        if self.plan.precision is not None:
+            apply_autocast(self.model, self.plan.precision, collective_device().type)
 
     def add_adapters(self) -> None:
         assert self.lora is not None  # the plan adds adapters only when LoRA was asked for
@@ -116,7 +121,7 @@ class LoadPipeline:
 
     def shard(self) -> None:
         assert self.setup is not None  # the plan has a shard step only with a setup
-        self.model = shard_model(self.model, self.setup, self.tp_plan)
+        self.model = shard_model(self.model, self.setup, self.tp_plan, self.plan.precision)
 
     def materialize(self) -> None:
         materialize(self.model, collective_device())

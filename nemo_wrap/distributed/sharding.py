@@ -14,17 +14,24 @@ from __future__ import annotations
 
 from torch import nn
 
+from nemo_wrap.distributed.precision import PrecisionPlan, strategy_options
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.distributed.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
 
 
-def shard_model(model: nn.Module, setup: DistributedSetup, tp_plan: TensorParallelPlan | None) -> nn.Module:
+def shard_model(
+    model: nn.Module,
+    setup: DistributedSetup,
+    tp_plan: TensorParallelPlan | None,
+    precision: PrecisionPlan | None = None,
+) -> nn.Module:
     """Apply ``setup`` to ``model`` and return it (or the strategy's wrapper around it).
 
     The setup is recorded on the model as ``nemo_distributed_setup``: the training step reads its
     data-parallel group from there, and ``generate`` knows that its forward holds collectives.
     The caller checks ``setup.entry.check_available()`` first, before any work that would be lost
-    (the load pipeline does so before it builds anything).
+    (the load pipeline does so before it builds anything). ``precision`` puts its mixed precision
+    into the strategy's options where the strategy casts parameters itself (FSDP2).
     """
     entry = setup.entry
     mesh = setup.device_mesh()
@@ -32,4 +39,5 @@ def shard_model(model: nn.Module, setup: DistributedSetup, tp_plan: TensorParall
         apply_tensor_parallel(model, mesh["tp"], tp_plan)
     # ``nn.Module.__setattr__`` is annotated for tensors and modules only; plain attributes work at runtime.
     model.nemo_distributed_setup = setup  # type: ignore[assignment]
-    return entry.apply(model, mesh, setup.options)
+    options = setup.options if precision is None else strategy_options(precision, setup.strategy, setup.options)
+    return entry.apply(model, mesh, options)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from nemo_wrap.distributed.precision import PrecisionPlan
 from nemo_wrap.distributed.strategies import strategy_entry
 
 
@@ -50,6 +51,7 @@ class LoadPlan:
     steps: tuple[Step, ...]
     key_mapping: str = "transformers' keys as they are"
     adapters: str | None = None  # None: no LoRA; "new": initialized; "file": read from an adapter directory
+    precision: PrecisionPlan | None = None  # None: a plan made without one (tests of the step logic)
 
     @property
     def init_device(self) -> str:
@@ -112,6 +114,8 @@ class LoadPlan:
             lines.append(f"  LoRA adapters: {how}; only they are trainable")
         if self.strategy is not None:
             lines.append(f"  sharding: {self.shard_reason}")
+        if self.precision is not None:
+            lines.append(f"  precision: {self.precision}")
         return "\n".join(lines)
 
 
@@ -125,6 +129,7 @@ def make_load_plan(
     has_checkpoint: bool,
     key_mapping: str = "transformers' keys as they are",
     adapters: str | None = None,
+    precision: PrecisionPlan | None = None,
 ) -> LoadPlan:
     """The one place loading is decided. Pure: no I/O, no process group; strategy facts come from
     the strategy registry (static data)."""
@@ -150,4 +155,5 @@ def make_load_plan(
         tuple(steps),
         key_mapping,
         adapters,
+        precision,
     )

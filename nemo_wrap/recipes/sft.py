@@ -20,6 +20,7 @@ from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.checkpoint.resume import load_checkpoint, save_checkpoint
 from nemo_wrap.data import DataParallelBatches, as_rows, load_rows, prepare_examples
 from nemo_wrap.distributed.collectives import RankGroup
+from nemo_wrap.distributed.precision import Precision
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.progress import progress_bar
@@ -56,6 +57,7 @@ class SFTConfig:
     save_every: int | None = None
     resume: str | None = None
     lora: LoraConfig | None = None
+    precision: Precision | None = None  # "fp32" | "bf16" | "bf16-mixed"; None keeps the checkpoint's dtype
 
 
 def run_sft(
@@ -66,7 +68,9 @@ def run_sft(
         raise InvalidSetupError(f"lr_schedule must be 'constant' or 'cosine', got {config.lr_schedule!r}")
     train_rows = _rows(config.data, config, tokenizer, say)
     eval_rows = _rows(config.eval_data, config, tokenizer, say) if config.eval_data else None
-    model = NeMoAutoModelForCausalLM.from_pretrained(model_path, distributed_setup=setup, peft_config=config.lora)
+    model = NeMoAutoModelForCausalLM.from_pretrained(
+        model_path, distributed_setup=setup, peft_config=config.lora, precision=config.precision
+    )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr)
     dp_rank = setup.device_mesh().get_local_rank("dp") if setup.dp_size > 1 else 0
     batches = DataParallelBatches(

@@ -8,6 +8,7 @@ tensor parallel: on a ``(dp, tp)`` mesh it shards the tensor-parallel DTensors o
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,19 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, options: FSDP2Options) -> nn
     return model
 
 
+def with_mixed_precision(options: FSDP2Options, compute_dtype: torch.dtype, reduce_dtype: torch.dtype) -> FSDP2Options:
+    """``options`` whose policy gathers parameters in ``compute_dtype`` and reduces gradients in
+    ``reduce_dtype``; :class:`InvalidSetupError` if the setup already set other dtypes."""
+    for name, wanted in (("param_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
+        given = getattr(options, name)
+        if given is not None and given != wanted:
+            raise InvalidSetupError(
+                f"DistributedSetup.build(..., {name}={given}) conflicts with the precision, which sets "
+                f"{name}={wanted}: pass one of them"
+            )
+    return dataclasses.replace(options, param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+
+
 FSDP2 = register_strategy(
     StrategyEntry(
         name="fsdp2",
@@ -62,5 +76,6 @@ FSDP2 = register_strategy(
         supports_tensor_parallel=True,
         apply=apply_fsdp2,
         check_available=always_available,
+        mixed_precision_options=with_mixed_precision,
     )
 )

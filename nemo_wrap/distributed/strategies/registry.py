@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -33,6 +34,9 @@ class StrategyEntry:
       returns the model (or, for wrappers, the wrapper).
     - ``check_available()``: raises :class:`StrategyUnavailableError` where it cannot run. Called
       when a model is sharded, never when a setup or plan is only described.
+    - ``mixed_precision_options(options, compute_dtype, reduce_dtype)``: the options with the
+      strategy's own mixed precision set, for strategies that cast parameters themselves (FSDP2);
+      ``None`` for the others, under which mixed precision is ``torch.autocast``.
     """
 
     name: str
@@ -42,6 +46,7 @@ class StrategyEntry:
     supports_tensor_parallel: bool
     apply: Callable[[nn.Module, DeviceMesh, Any], nn.Module]
     check_available: Callable[[], None]
+    mixed_precision_options: Callable[[Any, torch.dtype, torch.dtype], Any] | None = None
 
     def mesh_dim_names(self) -> tuple[str, ...]:
         return ("dp", "tp") if self.supports_tensor_parallel else ("dp",)

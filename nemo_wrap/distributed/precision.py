@@ -1,0 +1,133 @@
+"""Precision: one vocabulary (``"fp32"``, ``"bf16"``, ``"bf16-mixed"``) for every strategy.
+
+``"bf16-mixed"`` is the usual way to train in bf16: fp32 parameters (the master weights, so the
+optimizer state is fp32 too), matmuls in bf16, gradients reduced in fp32. How the compute is cast
+depends on who owns the parameters' working copy: FSDP2 all-gathers them anyway, so its
+``MixedPrecisionPolicy`` gathers bf16 copies and reduce-scatters fp32 gradients; everywhere else
+(one process, DDP, pure tensor parallel, Megatron-FSDP) the forward runs under ``torch.autocast``,
+whose fp32 leaves receive fp32 gradients that DDP all-reduces as they are. ``"bf16"`` stores the
+parameters themselves in bf16 — half the memory, but the optimizer then updates bf16 weights with
+bf16 state, which the plan says in words.
+
+The decision is :func:`precision_plan`, a pure function of the name and the layout, printed in the
+load plan; :func:`apply_autocast` is its one action on a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from nemo_wrap.distributed.strategies import strategy_entry
+from nemo_wrap.errors import InvalidSetupError
+
+Precision = Literal["fp32", "bf16", "bf16-mixed"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "bf16-mixed")
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """The dtypes of parameters, compute and gradient reduction, and how the compute dtype is reached.
+
+    ``cast_by``: ``"none"`` (compute in the parameters' dtype), ``"fully_shard"`` (FSDP2's
+    ``MixedPrecisionPolicy``) or ``"autocast"``.
+    """
+
+    name: str
+    parameter_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    cast_by: Literal["none", "fully_shard", "autocast"]
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.cast_by != "none"
+
+    def __str__(self) -> str:
+        parameters = _DTYPE_NAMES[self.parameter_dtype]
+        if not self.is_mixed:
+            optimizer = (
+                "" if parameters == "fp32" else f"; the optimizer state is {parameters} (no fp32 master weights)"
+            )
+            return f"{self.name}: parameters, compute and gradients in {parameters}{optimizer}"
+        how = "fully_shard's MixedPrecisionPolicy" if self.cast_by == "fully_shard" else "torch.autocast"
+        return (
+            f"{self.name}: {parameters} master weights and optimizer state, "
+            f"{_DTYPE_NAMES[self.compute_dtype]} compute ({how}), "
+            f"{_DTYPE_NAMES[self.reduce_dtype]} gradient reduction"
+        )
+
+
+def precision_plan(precision: str | None, dtype: torch.dtype, strategy: str | None, dp_size: int) -> PrecisionPlan:
+    """The precision of a model built from ``dtype`` (the resolved ``dtype=`` argument) under
+    ``strategy`` with ``dp_size`` data-parallel ranks. ``precision=None`` keeps ``dtype`` throughout.
+    Pure: strategy facts come from the registry."""
+    if precision is None:
+        return PrecisionPlan(f"{_DTYPE_NAMES[dtype]} (no precision given: the dtype)", dtype, dtype, dtype, "none")
+    if precision not in PRECISIONS:
+        raise InvalidSetupError(f"precision={precision!r}: choose one of {list(PRECISIONS)}")
+    if precision != "bf16-mixed":
+        stored = torch.float32 if precision == "fp32" else torch.bfloat16
+        return PrecisionPlan(precision, stored, stored, stored, "none")
+    fully_shard = strategy is not None and strategy_entry(strategy).mixed_precision_options is not None and dp_size > 1
+    return PrecisionPlan(
+        precision, torch.float32, torch.bfloat16, torch.float32, "fully_shard" if fully_shard else "autocast"
+    )
+
+
+def parameter_dtype(precision: str | None, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype parameters are built in: ``precision``'s, checked against an explicit ``dtype``
+    (``None`` when neither decides, so the checkpoint's or config's dtype is used)."""
+    if precision is None:
+        return dtype
+    if precision not in PRECISIONS:
+        raise InvalidSetupError(f"precision={precision!r}: choose one of {list(PRECISIONS)}")
+    stored = torch.bfloat16 if precision == "bf16" else torch.float32
+    if dtype is not None and dtype != stored:
+        raise InvalidSetupError(
+            f"precision={precision!r} keeps parameters in {stored}, but dtype={dtype} was passed: drop one of them"
+        )
+    return stored
+
+
+def strategy_options(plan: PrecisionPlan, strategy: str, options: Any) -> Any:
+    """The strategy's options with ``plan``'s mixed precision in them (unchanged unless FSDP2 casts).
+
+    Raises :class:`InvalidSetupError` when the setup already sets its own conflicting dtypes.
+    """
+    if plan.cast_by != "fully_shard":
+        return options
+    with_precision: Callable[[Any, torch.dtype, torch.dtype], Any] | None
+    with_precision = strategy_entry(strategy).mixed_precision_options
+    assert with_precision is not None  # the plan casts by fully_shard only for such strategies
+    return with_precision(options, plan.compute_dtype, plan.reduce_dtype)
+
+
+def apply_autocast(model: nn.Module, plan: PrecisionPlan, device_type: str) -> None:
+    """Run ``model``'s forward under ``torch.autocast`` when ``plan`` says so (a pre-hook enters it,
+    a hook that runs even when the forward raises leaves it), so callers need no context of their own.
+
+    Hooks rather than a ``forward`` override: transformers and its ``Trainer`` read ``forward``'s
+    signature. Activation checkpointing recomputes under the autocast state it recorded.
+    """
+    if plan.cast_by != "autocast":
+        return
+    active: list[torch.autocast] = []
+
+    def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
+        context = torch.autocast(device_type, dtype=plan.compute_dtype)
+        context.__enter__()
+        active.append(context)
+
+    def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if active:  # empty only if an earlier pre-hook raised before ``enter`` ran
+            active.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
