@@ -3,26 +3,18 @@
 Compares transformers' ``AutoModelForCausalLM.from_config`` in one process with
 ``NeMoAutoModelForCausalLM.from_config`` in one process and under fsdp2 on 2 ranks (torchrun).
 Each measurement runs in a fresh process; peak memory is VmHWM minus the VmHWM reached after
-imports, so the numbers are the build's own. Run: ``python benchmarks/bench_from_config.py``.
+imports, so the numbers are the build's own. Run: ``python -m benchmarks.bench_from_config``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
+from typing import Any
 
+from benchmarks.common import Table, measure_main, run_measure, status_mib
 
-def _vm_hwm_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+MODULE = "benchmarks.bench_from_config"
+LABELS = {"hf": "transformers, one process", "nemo": "ours, one process", "nemo-fsdp2": "ours, fsdp2 on 2 ranks"}
 
 
 def _config():
@@ -32,58 +24,41 @@ def _config():
         vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
         num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
         tie_word_embeddings=False, dtype="float32",
-    )
+    )  # fmt: skip
 
 
-def _measure(kind: str, output: Path) -> None:
+def measure(kind: str) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
     from nemo_wrap import DistributedSetup, initialize_distributed
     from nemo_wrap.auto import NeMoAutoModelForCausalLM
 
-    config = _config()
-    setup = None
-    if kind == "nemo-fsdp2":
-        env = initialize_distributed()
-        setup = DistributedSetup.build("fsdp2", env.world_size)
-    baseline = _vm_hwm_mib()
+    setup = DistributedSetup.build("fsdp2", initialize_distributed().world_size) if kind == "nemo-fsdp2" else None
+    baseline = status_mib("VmHWM")
     started = time.perf_counter()
     if kind == "hf":
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(_config())
     else:
-        model = NeMoAutoModelForCausalLM.from_config(config, distributed_setup=setup, seed=0)
+        model = NeMoAutoModelForCausalLM.from_config(_config(), distributed_setup=setup, seed=0)
     seconds = time.perf_counter() - started
-    local_bytes = sum(
-        (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters()
-    )
-    rank = int(os.environ.get("RANK", 0))
-    result = dict(kind=kind, rank=rank, seconds=seconds, peak_mib=_vm_hwm_mib() - baseline,
-                  local_param_mib=local_bytes / 2**20, params=sum(p.numel() for p in model.parameters()))
-    (output / f"{kind}-rank{rank}.json").write_text(json.dumps(result))
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return {"seconds": seconds, "peak_mib": status_mib("VmHWM") - baseline,
+            "local_mib": sum(p.numel() * p.element_size() for p in local) / 2**20}  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--measure", choices=["hf", "nemo", "nemo-fsdp2"])
-    parser.add_argument("--output", type=Path)
-    args = parser.parse_args()
-    if args.measure:
-        _measure(args.measure, args.output)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        me = [sys.executable, __file__]
-        subprocess.run([*me, "--measure", "hf", "--output", tmp], check=True)
-        subprocess.run([*me, "--measure", "nemo", "--output", tmp], check=True)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        __file__, "--measure", "nemo-fsdp2", "--output", tmp], check=True)
-        rows = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("*.json"))]
-    print(f"{'build':<22}{'rank':>5}{'seconds':>10}{'peak MiB':>11}{'local params MiB':>18}")
-    for row in rows:
-        print(f"{row['kind']:<22}{row['rank']:>5}{row['seconds']:>10.2f}{row['peak_mib']:>11.0f}{row['local_param_mib']:>18.0f}")
-    print(f"parameters: {rows[0]['params']:,}")
+def table() -> Table:
+    result = Table("`from_config`, 1.1B Llama, fp32", ["time", "peak RSS", "parameters held"],
+                   note="Fresh processes; on 2 ranks, the slower rank.")  # fmt: skip
+    for kind, label in LABELS.items():
+        rows = run_measure(MODULE, kind, nproc=2 if kind == "nemo-fsdp2" else 1)
+        worst = {key: max(row[key] for row in rows) for key in ("seconds", "peak_mib", "local_mib")}
+        per_rank = " per rank" if kind == "nemo-fsdp2" else ""
+        result.rows.append([label, f"{worst['seconds']:.1f} s{per_rank}", f"{worst['peak_mib']:.0f} MiB",
+                            f"{worst['local_mib']:.0f} MiB"])  # fmt: skip
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    measure_main(measure, table)

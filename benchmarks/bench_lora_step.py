@@ -1,33 +1,25 @@
 """A LoRA training step against a full fine-tuning step and against PEFT on transformers' class.
 
-One process, a ~100M-parameter Llama (fp32, saved once to a temporary checkpoint), batch 2 × 256
+One process, a ~100M-parameter Llama (fp32, saved once under the benchmarks' directory), batch 2 × 256
 tokens, AdamW; LoRA r=16 on all linear layers. Each case runs in a fresh process so its peak RSS is
 its own. Reports the median step time of 6 steps after a warm-up, the RSS after loading, and the
-peak RSS. Run: ``python benchmarks/bench_lora_step.py``.
+peak RSS. Run: ``python -m benchmarks.bench_lora_step``.
 """
 
 from __future__ import annotations
 
-import json
-import resource
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
+from typing import Any
 
-from bench_training_step import llama_100m_config  # the same 100M Llama (run from benchmarks/)
+from benchmarks.bench_from_pretrained import CHECKPOINT
+from benchmarks.bench_training_step import llama_100m_config
+from benchmarks.common import Table, measure_main, run_measure, status_mib
 
 BATCH, SEQUENCE, WARMUP, STEPS = 2, 256, 1, 6
-CASES = ("full", "lora", "peft")
-
-
-def _rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+MODULE = "benchmarks.bench_lora_step"
+CHECKPOINT_100M = CHECKPOINT.parent / "llama-100m-fp32"
+CASES = {"full": "full fine-tuning (ours)", "lora": "LoRA (ours, fused class)", "peft": "PEFT over transformers' class"}
 
 
 def _lora_config():
@@ -48,14 +40,14 @@ def _model(kind: str, checkpoint: str):
     return NeMoAutoModelForCausalLM.from_pretrained(checkpoint, **extra)
 
 
-def _measure(kind: str, checkpoint: str) -> dict[str, float]:
+def measure(kind: str) -> dict[str, Any]:
     import torch
 
-    model = _model(kind, checkpoint)
+    model = _model(kind, str(CHECKPOINT_100M))
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    loaded_mb = _rss_mb()
+    loaded_mib = status_mib("VmRSS")
     tokens = torch.randint(0, 32000, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(0))
     times = []
     for step in range(WARMUP + STEPS):
@@ -66,29 +58,29 @@ def _measure(kind: str, checkpoint: str) -> dict[str, float]:
         if step >= WARMUP:
             times.append(time.perf_counter() - started)
     return {
-        "step_s": statistics.median(times),
-        "loaded_mb": loaded_mb,
-        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "seconds": statistics.median(times),
+        "loaded_mib": loaded_mib,
+        "peak_mib": status_mib("VmHWM"),
         "trainable": sum(p.numel() for p in trainable),
     }
 
 
-def main() -> None:
-    if len(sys.argv) == 3:
-        print(json.dumps(_measure(sys.argv[1], sys.argv[2])))
-        return
-    with tempfile.TemporaryDirectory() as directory:
+def table() -> Table:
+    if not (CHECKPOINT_100M / "config.json").exists():
         from transformers import LlamaForCausalLM
 
-        LlamaForCausalLM(llama_100m_config()).save_pretrained(directory)
-        results = {}
-        for kind in CASES:
-            run = subprocess.run([sys.executable, __file__, kind, directory], capture_output=True, text=True, check=True)
-            results[kind] = json.loads(run.stdout.strip().splitlines()[-1])
-    print(f"{'case':6} {'step s':>8} {'RSS loaded MB':>14} {'peak RSS MB':>12} {'trainable':>12}")
-    for kind, r in results.items():
-        print(f"{kind:6} {r['step_s']:8.2f} {r['loaded_mb']:14.0f} {r['peak_mb']:12.0f} {r['trainable']:12,}")
+        LlamaForCausalLM(llama_100m_config()).save_pretrained(CHECKPOINT_100M)
+    result = Table(
+        f"training step, 100M Llama fp32, one process, {BATCH} × {SEQUENCE} tokens, AdamW, LoRA r=16 all-linear",
+        ["step", "RSS after loading", "peak RSS", "trainable parameters"],
+        note=f"Median of {STEPS} steps after {WARMUP} warm-up, each case in a fresh process.",
+    )
+    for kind, label in CASES.items():
+        row = run_measure(MODULE, kind)[0]
+        result.rows.append([label, f"{row['seconds']:.2f} s", f"{row['loaded_mib']:.0f} MiB",
+                            f"{row['peak_mib']:.0f} MiB", f"{row['trainable'] / 1e6:.1f} M"])  # fmt: skip
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    measure_main(measure, table)

@@ -8,30 +8,31 @@ bf16 runs a smaller batch by default: on CPUs without native bf16 matmul (no AVX
 weight-gradient GEMMs take a slow path, ~25x slower than fp32 per token here, which would make a
 4 x 256 bf16 step take minutes.
 
-    python benchmarks/bench_model_throughput.py [--batch 4] [--seq 256] [--bf16-batch 1] [--bf16-seq 64]
+Run: ``python -m benchmarks.bench_model_throughput``.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks.common import Table
+from nemo_wrap.models.common.state_dict_adapter import FusedStateDictAdapter
 from nemo_wrap.models.llama import NeMoLlamaForCausalLM
 
-CONFIG = dict(
-    vocab_size=32000,
-    hidden_size=768,
-    intermediate_size=2048,
-    num_hidden_layers=12,
-    num_attention_heads=12,
-    num_key_value_heads=12,
-    tie_word_embeddings=True,
-    max_position_embeddings=1024,
-)
+CONFIG = {
+    "vocab_size": 32000,
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 1024,
+}
 
 
 def _train_step(model: torch.nn.Module, input_ids: torch.Tensor) -> float:
@@ -49,45 +50,34 @@ def _models(dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
     config = LlamaConfig(**CONFIG)
     hf = LlamaForCausalLM(config)
     ours = NeMoLlamaForCausalLM(config)
-    ours.load_state_dict(ours.state_dict_adapter(config).from_hf(hf.state_dict()))
+    ours.load_state_dict(FusedStateDictAdapter(config).from_hf(hf.state_dict()))
     return ours.to(dtype).train(), hf.to(dtype).train()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--bf16-batch", type=int, default=1)
-    parser.add_argument("--bf16-seq", type=int, default=64)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
-
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+def table(batch: int = 4, seq: int = 256, bf16_batch: int = 1, bf16_seq: int = 64, steps: int = 3) -> Table:
     generator = torch.Generator().manual_seed(0)
-    rows = []
-    for dtype, batch, seq in ((torch.float32, args.batch, args.seq), (torch.bfloat16, args.bf16_batch, args.bf16_seq)):
-        input_ids = torch.randint(0, CONFIG["vocab_size"], (batch, seq), generator=generator)
-        tokens = batch * seq
+    result = Table(
+        "forward + backward, ~110M Llama, one process",
+        ["batch", "ours tokens/s", "transformers tokens/s", "ours / transformers"],
+        note=f"Same weights, timed steps alternating between the two models, median of {steps} after a warm-up.",
+    )
+    for dtype, rows, length in ((torch.float32, batch, seq), (torch.bfloat16, bf16_batch, bf16_seq)):
+        input_ids = torch.randint(0, CONFIG["vocab_size"], (rows, length), generator=generator)
         ours, hf = _models(dtype)
-        parameters = sum(p.numel() for p in ours.parameters())
-        for _ in range(args.warmup):
-            _train_step(ours, input_ids)
-            _train_step(hf, input_ids)
+        _train_step(ours, input_ids)
+        _train_step(hf, input_ids)
         ours_times, hf_times = [], []
-        for _ in range(args.steps):
+        for _ in range(steps):
             ours_times.append(_train_step(ours, input_ids))
             hf_times.append(_train_step(hf, input_ids))
-        ours_rate = tokens / statistics.median(ours_times)
-        hf_rate = tokens / statistics.median(hf_times)
-        rows.append((str(dtype).removeprefix("torch."), f"{batch}x{seq}", parameters, ours_rate, hf_rate))
-        del ours, hf
-
-    print(f"{'dtype':<9}{'batch':>7}{'params':>9}{'ours tok/s':>13}{'HF tok/s':>11}{'ours/HF':>9}")
-    for dtype, shape, parameters, ours_rate, hf_rate in rows:
+        ours_rate = rows * length / statistics.median(ours_times)
+        hf_rate = rows * length / statistics.median(hf_times)
+        name = str(dtype).removeprefix("torch.")
         ratio = ours_rate / hf_rate
-        print(f"{dtype:<9}{shape:>7}{parameters / 1e6:>8.1f}M{ours_rate:>13.1f}{hf_rate:>11.1f}{ratio:>9.3f}")
+        result.rows.append([name, f"{rows} × {length}", f"{ours_rate:.0f}", f"{hf_rate:.0f}", f"{ratio:.2f}"])
+        del ours, hf
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    print(table().markdown())

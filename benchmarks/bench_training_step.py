@@ -1,24 +1,31 @@
 """Training-step throughput on 2 CPU ranks: nemo_wrap's strategies against plain PyTorch.
 
-A ~100M-parameter Llama, fp32, batch 2 × 256 tokens per rank, AdamW. The baseline is transformers'
-``LlamaForCausalLM`` under torch's own ``DistributedDataParallel`` with a plain
-loss/backward/step loop; ours is ``from_config`` + ``train_step`` under ddp, fsdp2 and tensor
-parallel (tp=2: both ranks see the same batch, so its tokens/s counts one batch per step).
-Run: ``python benchmarks/bench_training_step.py`` (launches torchrun itself).
+A ~100M-parameter Llama, fp32, batch 2 × 256 tokens per rank, AdamW, 2 ranks × 1 thread. The
+baselines are transformers' ``LlamaForCausalLM`` under torch's ``DistributedDataParallel`` and
+under torch's ``fully_shard`` (per decoder layer, then the root), with a plain loss/backward/step
+loop; ours is ``from_config`` + ``train_step`` under ddp, fsdp2 and tensor parallel (tp=2: both
+ranks see the same batch, so its tokens/s counts one batch per step). Target: ours ≥ 0.97× the
+matching plain baseline. Run: ``python -m benchmarks.bench_training_step``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
+from typing import Any
+
+from benchmarks.common import Table, best_of, measure_main
 
 BATCH, SEQUENCE, WARMUP, STEPS = 2, 256, 1, 4
+MODULE = "benchmarks.bench_training_step"
+BASELINE = {"plain-ddp": "plain-ddp", "ddp": "plain-ddp", "plain-fsdp2": "plain-fsdp2", "fsdp2": "plain-fsdp2",
+            "tp": "plain-fsdp2"}  # fmt: skip
+LABELS = {
+    "plain-ddp": "transformers + torch `DistributedDataParallel`",
+    "ddp": "ours, ddp",
+    "plain-fsdp2": "transformers + torch `fully_shard`",
+    "fsdp2": "ours, fsdp2",
+    "tp": "ours, tensor parallel tp=2",
+}
 
 
 def llama_100m_config():
@@ -26,14 +33,27 @@ def llama_100m_config():
 
     return LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024,
-                       tie_word_embeddings=True)
+                       tie_word_embeddings=True)  # fmt: skip
 
 
-def _measure(kind: str, output: Path) -> None:
+def _plain_model(kind: str):
     import torch
-    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
     from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_100m_config())
+    if kind == "plain-ddp":
+        return DistributedDataParallel(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def measure(kind: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
 
     from nemo_wrap import DistributedSetup, initialize_distributed
     from nemo_wrap.auto import NeMoAutoModelForCausalLM
@@ -42,14 +62,12 @@ def _measure(kind: str, output: Path) -> None:
     env = initialize_distributed()
     generator = torch.Generator().manual_seed(env.rank if kind != "tp" else 0)
     batches = [torch.randint(0, 32000, (BATCH, SEQUENCE), generator=generator) for _ in range(WARMUP + STEPS)]
-    if kind == "plain-ddp":
-        torch.manual_seed(0)
-        model = DistributedDataParallel(LlamaForCausalLM(llama_100m_config()))
+    if kind.startswith("plain"):
+        model = _plain_model(kind)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step(tokens):
-            loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
+            model(input_ids=tokens, labels=tokens, use_cache=False).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     else:
@@ -70,41 +88,21 @@ def _measure(kind: str, output: Path) -> None:
     dist.barrier()
     seconds = time.perf_counter() - started
     distinct_batches = 1 if kind == "tp" else env.world_size
-    tokens_per_second = STEPS * BATCH * SEQUENCE * distinct_batches / seconds
-    params = sum(p.numel() for p in _config_params())
-    if env.rank == 0:
-        (output / f"{kind}.json").write_text(json.dumps(dict(kind=kind, tokens_per_second=tokens_per_second, params=params)))
+    return {"seconds": seconds, "tokens_per_second": STEPS * BATCH * SEQUENCE * distinct_batches / seconds}
 
 
-def _config_params():
-    import torch
-    from transformers import LlamaForCausalLM
-
-    with torch.device("meta"):
-        return list(LlamaForCausalLM(llama_100m_config()).parameters())
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--measure")
-    parser.add_argument("--output", type=Path)
-    args = parser.parse_args()
-    if args.measure:
-        _measure(args.measure, args.output)
-        return
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("plain-ddp", "ddp", "fsdp2", "tp"):
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            __file__, "--measure", kind, "--output", tmp], check=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-            rows[kind] = json.loads((Path(tmp) / f"{kind}.json").read_text())
-    base = rows["plain-ddp"]["tokens_per_second"]
-    print(f"Llama {rows['plain-ddp']['params'] / 1e6:.0f}M params, fp32, 2 ranks × 1 thread, batch {BATCH}×{SEQUENCE}/rank")
-    print(f"{'run':<12}{'tokens/s':>10}{'vs plain DDP':>14}")
-    for kind, row in rows.items():
-        print(f"{kind:<12}{row['tokens_per_second']:>10.0f}{row['tokens_per_second'] / base:>14.2f}")
+def table(repeats: int = 2) -> Table:
+    best = best_of(repeats, MODULE, list(LABELS), nproc=dict.fromkeys(LABELS, 2))
+    rate = {kind: rows[0]["tokens_per_second"] for kind, rows in best.items()}
+    result = Table(
+        "training step, 100M Llama fp32, 2 ranks × 1 thread, 2 × 256 tokens per rank, AdamW",
+        ["tokens/s", "vs plain baseline"],
+        note=f"Best of {repeats} runs of {STEPS} steps after {WARMUP} warm-up; tp=2 counts one batch per step.",
+    )
+    for kind, label in LABELS.items():
+        result.rows.append([label, f"{rate[kind]:.0f}", f"{rate[kind] / rate[BASELINE[kind]]:.2f}"])
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    measure_main(measure, table)

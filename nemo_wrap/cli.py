@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"where the fine-tuned checkpoint goes (default ./{DEFAULT_OUTPUT_DIR})",
     )
     finetune.add_argument("--seed", type=int, default=0, help="data order seed (default 0)")
+    finetune.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (not with tp)")
     _add_data_set_arguments(finetune)
     return parser
 
@@ -241,6 +242,7 @@ def _run_sft(args: argparse.Namespace) -> int:
             accumulation=args.accumulation, lr=args.lr, warmup_steps=args.warmup_steps,
             lr_schedule=args.lr_schedule, max_grad_norm=args.max_grad_norm, seed=args.seed, log_dir=args.log_dir,
             save_every=args.save_every, resume=args.resume, lora=lora, precision=args.precision,
+            compile=args.compile,
         )  # fmt: skip
         records = run_sft(path, setup, config, tokenizer, say)
         losses = [r["loss"] for r in records if "loss" in r]
@@ -265,12 +267,14 @@ def _run_finetune(args: argparse.Namespace) -> int:
     try:
         setup = DistributedSetup.build(args.strategy, env.world_size, tp_size=args.tp_size)
         say = print if env.is_main_process else (lambda *_: None)
-        say(NeMoAutoModelForCausalLM.plan(path, distributed_setup=setup, precision=args.precision))
+        say(NeMoAutoModelForCausalLM.plan(path, setup, precision=args.precision, compile=args.compile))
         # Tokenizer and data first: every rank fails on them alike, before the load's collectives.
         tokenizer = _tokenizer(path)
         data = Path(args.data) if args.data else bundled_corpus()
         windows = read_token_windows(data, tokenizer, args.seq_len)
-        model = NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup, precision=args.precision)
+        model = NeMoAutoModelForCausalLM.from_pretrained(
+            path, distributed_setup=setup, precision=args.precision, compile=args.compile
+        )
         say(cast("LoadReport", model.load_report).summary())
         dp_rank = setup.device_mesh().get_local_rank("dp") if setup.dp_size > 1 else 0
         batches = iterate_batches(windows, args.batch_size, args.seed, dp_rank, setup.dp_size)

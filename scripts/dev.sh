@@ -3,6 +3,7 @@
 #   bash scripts/dev.sh run [nemo-wrap arguments]   # the main job (default: the embedded demo)
 #   bash scripts/dev.sh test [pytest arguments]     # the static checks, then the whole test suite
 #   bash scripts/dev.sh lint                        # the static checks alone
+#   bash scripts/dev.sh bench [--only NAME ...]     # the benchmark suite (writes benchmarks/RESULTS.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,8 +37,8 @@ fi
 
 # Lint, format, types and the layer contract (setup.cfg [importlinter]) over the package.
 lint() {
-    "$VENV/bin/ruff" check nemo_wrap
-    "$VENV/bin/ruff" format --check nemo_wrap
+    "$VENV/bin/ruff" check nemo_wrap benchmarks
+    "$VENV/bin/ruff" format --check nemo_wrap benchmarks
     "$VENV/bin/mypy" nemo_wrap
     "$VENV/bin/lint-imports"
 }
@@ -48,5 +49,6 @@ case "$command" in
     run)  exec "$VENV/bin/nemo-wrap" "$@" ;;
     lint) lint ;;
     test) lint && exec "$VENV/bin/python" -m pytest "$@" ;;
-    *)    echo "usage: bash scripts/dev.sh {run|test|lint} [args...]" >&2; exit 2 ;;
+    bench) exec "$VENV/bin/python" -m benchmarks "$@" ;;
+    *)    echo "usage: bash scripts/dev.sh {run|test|lint|bench} [args...]" >&2; exit 2 ;;
 esac

@@ -70,7 +70,7 @@ def test_the_plan_names_the_conversion_and_an_unsupported_one_is_refused_before_
     def no_reads(*args, **kwargs):
         raise AssertionError("a weight was read before the refusal")
 
-    monkeypatch.setattr("nemo_wrap.checkpoint.safetensors_file.BlockReader.read_block_into", no_reads)
+    monkeypatch.setattr("nemo_wrap.checkpoint.safetensors_file.BlockReader.block", no_reads)
     with pytest.raises(UnsupportedModelError, match=r"Chunk\(dim=0\)"):
         NeMoAutoModelForCausalLM.from_pretrained(tmp_path / "hrm")
 

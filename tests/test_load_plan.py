@@ -9,6 +9,7 @@ import pytest
 
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
+from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.loading.plan import Step, make_load_plan
 from tests.checkpoints import write_checkpoint
 from tests.tiny_models import tiny_config
@@ -17,25 +18,34 @@ STRATEGIES = (None, "ddp", "fsdp2", "megatron_fsdp")
 
 
 def _all_plans():
-    for is_custom, strategy, world, tp, has_checkpoint, adapters in itertools.product(
-        (True, False), STRATEGIES, (1, 2, 4, 8), (1, 2, 4), (True, False), (None, "new", "file")
+    for is_custom, strategy, world, tp, has_checkpoint, adapters, compile_layers in itertools.product(
+        (True, False), STRATEGIES, (1, 2, 4, 8), (1, 2, 4), (True, False), (None, "new", "file"), (False, True)
     ):
         if world % tp or (strategy in (None, "ddp", "megatron_fsdp") and tp > 1) or (strategy is None and world > 1):
             continue
-        if adapters == "file" and not has_checkpoint:
+        if (adapters == "file" and not has_checkpoint) or (compile_layers and tp > 1):
             continue
-        yield make_load_plan("Model", is_custom, "why", strategy, world, tp, has_checkpoint, adapters=adapters)
+        yield make_load_plan(
+            "Model", is_custom, "why", strategy, world, tp, has_checkpoint, adapters=adapters,
+            compile_layers=compile_layers,
+        )  # fmt: skip
 
 
 PLANS = list(_all_plans())
 
 
 def test_cross_product_is_large():
-    # custom × (checkpoint × 3 adapter kinds + no checkpoint × 2) × (none, ddp, megatron, fsdp2 setups)
-    assert len(PLANS) == 2 * (3 + 2) * (1 + 4 + 4 + 9)
+    # custom × (checkpoint × 3 adapter kinds + no checkpoint × 2) × (none, ddp, megatron, fsdp2 setups),
+    # each setup also compiled unless it uses tensor parallel (13 of the 18 do not)
+    assert len(PLANS) == 2 * (3 + 2) * ((1 + 4 + 4 + 9) + 13)
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.strategy}-w{p.world_size}-tp{p.tp_size}-{'ckpt' if p.has_checkpoint else 'none'}-{'custom' if p.is_custom else 'hf'}-lora-{p.adapters}")
+def test_compiling_with_tensor_parallel_is_refused():
+    with pytest.raises(InvalidSetupError, match=r"compile=True with tp_size=2"):
+        make_load_plan("Model", True, "why", "fsdp2", 4, 2, True, compile_layers=True)
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.strategy}-w{p.world_size}-tp{p.tp_size}-{'ckpt' if p.has_checkpoint else 'none'}-{'custom' if p.is_custom else 'hf'}-lora-{p.adapters}-{'compiled' if Step.COMPILE_LAYERS in p.steps else 'eager'}")
 def test_every_plan_reads_the_checkpoint_exactly_once_after_its_storage_exists(plan):
     steps = list(plan.steps)
     assert plan.checkpoint_reads == (1 if plan.has_checkpoint else 0)
@@ -46,6 +56,8 @@ def test_every_plan_reads_the_checkpoint_exactly_once_after_its_storage_exists(p
     if plan.has_checkpoint:
         assert steps.index(Step.MATERIALIZE) < steps.index(Step.READ_CHECKPOINT) < steps.index(Step.INITIALIZE_REST)
     assert steps.count(Step.ADD_ADAPTERS) == (plan.adapters is not None)
+    if Step.COMPILE_LAYERS in steps:  # compiled once the model is complete: sharded, read, initialized
+        assert steps.index(Step.COMPILE_LAYERS) == len(steps) - 2 and plan.tp_size == 1
     if plan.adapters is not None:  # adapters exist before anything is sharded or allocated
         assert steps.index(Step.ADD_ADAPTERS) == 1 and "LoRA adapters" in str(plan)
     if plan.strategy == "fsdp2":  # shards on meta: each rank allocates and reads only its shard
@@ -75,13 +87,15 @@ def test_plan_of_a_checkpoint_reads_no_weights(tmp_path, monkeypatch):
     def no_reads(*args, **kwargs):
         raise AssertionError("plan() read a weight")
 
-    monkeypatch.setattr("nemo_wrap.checkpoint.safetensors_file.BlockReader.read_block_into", no_reads)
+    monkeypatch.setattr("nemo_wrap.checkpoint.safetensors_file.BlockReader.block", no_reads)
     setup = DistributedSetup.build("fsdp2", 2, tp_size=2)
     plan = NeMoAutoModelForCausalLM.plan(path, distributed_setup=setup, force_hf=True)
     assert plan.has_checkpoint and plan.strategy == "fsdp2" and plan.tp_size == 2
     assert plan.model_class == "NeMoLlamaForCausalLM" and not plan.is_custom
     config_plan = NeMoAutoModelForCausalLM.plan(tiny_config("llama"))
     assert not config_plan.has_checkpoint and config_plan.checkpoint_reads == 0
+    with pytest.raises(AssertionError, match="plan\\(\\) read a weight"):  # the patch does catch a read
+        NeMoAutoModelForCausalLM.from_pretrained(path, force_hf=True)
 
 
 @pytest.mark.parametrize(

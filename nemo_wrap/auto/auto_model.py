@@ -53,6 +53,7 @@ class NeMoAutoModelForCausalLM:
         allow_pickle: bool = False,
         precision: Precision | None = None,
         dtype: torch.dtype | str | None = None,
+        compile: bool = False,
     ) -> LoadPlan:
         """The load plan for a checkpoint directory (or a config: no checkpoint), reading no weights.
 
@@ -69,7 +70,9 @@ class NeMoAutoModelForCausalLM:
         source = resolve_model_source(config, force_hf)
         check_loadable(source, config, distributed_setup, keys)  # the load's own refusals
         parameters = _parameter_dtype(dtype, precision, config, checkpoint)
-        return _make_plan(source, config, distributed_setup, checkpoint is not None, (precision, parameters))
+        return _make_plan(
+            source, config, distributed_setup, checkpoint is not None, (precision, parameters), None, compile
+        )
 
     @classmethod
     def model_class(cls, config: PretrainedConfig, force_hf: bool = False) -> type[PreTrainedModel]:
@@ -90,6 +93,7 @@ class NeMoAutoModelForCausalLM:
         peft_config: LoraConfig | None = None,
         adapter: str | Path | None = None,
         precision: Precision | None = None,
+        compile: bool = False,
         **config_overrides: Any,
     ) -> PreTrainedModel:
         """Load ``path`` (a checkpoint directory or hub id) sharded as ``distributed_setup`` says.
@@ -104,7 +108,8 @@ class NeMoAutoModelForCausalLM:
         ``peft_config`` (a ``peft.LoraConfig``) adds new LoRA adapters and freezes the base;
         ``adapter`` (a PEFT adapter directory) loads an existing one, trainable. ``precision``
         (``"fp32"``, ``"bf16"``, ``"bf16-mixed"``) sets the parameters' dtype and how compute and
-        gradient reduction are cast (see :mod:`nemo_wrap.distributed.precision`). The result
+        gradient reduction are cast (see :mod:`nemo_wrap.distributed.precision`). ``compile``
+        compiles each decoder layer with ``torch.compile`` (not with tensor parallel). The result
         carries ``model.load_report``.
         """
         group = RankGroup.of(sharded=distributed_setup is not None)
@@ -114,7 +119,7 @@ class NeMoAutoModelForCausalLM:
         lora = group.on_every_rank("opening the adapter", lambda: _lora_request(peft_config, adapter))
         source = resolve_model_source(config, force_hf=force_hf)
         parameters = _parameter_dtype(dtype, precision, config, checkpoint)
-        plan = _make_plan(source, config, distributed_setup, True, (precision, parameters), lora)
+        plan = _make_plan(source, config, distributed_setup, True, (precision, parameters), lora, compile)
         pipeline = LoadPipeline(plan, source, config, parameters, distributed_setup, seed, checkpoint, strict, verify)
         pipeline.lora = lora
         return pipeline.run()
@@ -128,17 +133,18 @@ class NeMoAutoModelForCausalLM:
         dtype: torch.dtype | str | None = None,
         force_hf: bool = False,
         precision: Precision | None = None,
+        compile: bool = False,
     ) -> PreTrainedModel:
         """A freshly initialized model, sharded as ``distributed_setup`` says (one process if ``None``).
 
         ``seed`` fixes the init (default: rank 0's ``torch.initial_seed()``, shared with all ranks);
         the full weights are the same for every strategy and world size. ``dtype=None`` (or
-        ``"auto"``) means the config's dtype, float32 when it names none; ``precision`` as in
-        :meth:`from_pretrained`.
+        ``"auto"``) means the config's dtype, float32 when it names none; ``precision`` and
+        ``compile`` as in :meth:`from_pretrained`.
         """
         source = resolve_model_source(config, force_hf=force_hf)
         parameters = _parameter_dtype(dtype, precision, config, None)
-        plan = _make_plan(source, config, distributed_setup, False, (precision, parameters))
+        plan = _make_plan(source, config, distributed_setup, False, (precision, parameters), None, compile)
         return LoadPipeline(plan, source, config, parameters, distributed_setup, seed).run()
 
 
@@ -149,6 +155,7 @@ def _make_plan(
     has_checkpoint: bool,
     precision: tuple[Precision | None, torch.dtype],
     lora: LoraRequest | None = None,
+    compile_layers: bool = False,
 ) -> LoadPlan:
     """The plan; ``precision`` is the ``precision=`` argument and the parameters' resolved dtype."""
     strategy = None if setup is None else setup.strategy
@@ -164,6 +171,7 @@ def _make_plan(
         key_mapping=source.spec.key_mapping(source.architecture, config.model_type),
         adapters=None if lora is None else lora.plan_kind,
         precision=precision_plan(*precision, strategy, dp_size),
+        compile_layers=compile_layers,
     )
 
 

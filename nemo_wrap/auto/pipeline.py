@@ -22,6 +22,7 @@ from nemo_wrap.auto.model_mixin import no_cache_while_training
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
 from nemo_wrap.distributed.collectives import RankGroup, collective_device, device_memory_bytes
+from nemo_wrap.distributed.modules import decoder_layers
 from nemo_wrap.distributed.precision import apply_autocast, strategy_options
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.distributed.sharding import shard_model
@@ -88,6 +89,7 @@ class LoadPipeline:
             Step.MATERIALIZE: self.materialize,
             Step.READ_CHECKPOINT: self.read_checkpoint,
             Step.INITIALIZE_REST: self.initialize_rest,
+            Step.COMPILE_LAYERS: self.compile_layers,
             Step.AUDIT: self.audit,
         }
         for step in self.plan.steps:
@@ -122,6 +124,10 @@ class LoadPipeline:
     def shard(self) -> None:
         assert self.setup is not None  # the plan has a shard step only with a setup
         self.model = shard_model(self.model, self.setup, self.tp_plan, self.plan.precision)
+
+    def compile_layers(self) -> None:
+        for layer in decoder_layers(self.model):
+            layer.compile()  # in place, so the layer stays in the model, its hooks and its state dict
 
     def materialize(self) -> None:
         materialize(self.model, collective_device())

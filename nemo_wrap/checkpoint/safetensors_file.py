@@ -133,10 +133,11 @@ def _check_contiguous(path: Path, entries: dict[str, TensorEntry], data_start: i
 
 
 class BlockReader:
-    """Copies rectangular blocks of checkpoint tensors straight into destination tensors.
+    """Rectangular blocks of checkpoint tensors, as views to copy straight into destination tensors.
 
     Each file is memory-mapped once (copy-on-write, so nothing can write back to it) and seen as a
-    byte tensor; a block is one ``copy_`` from a view of the mapping into the destination. That is a
+    byte tensor; a block is a view of the mapping, and the loader makes it one ``copy_`` into the
+    destination. That is a
     single copy out of the page cache on torch's intra-op threads, with any dtype conversion done in
     the same pass (bf16 → fp32 needs no staging tensor), and the destination may be strided (a row
     range of a fused parameter). ``readinto`` was a single-threaded kernel copy plus a second copy
@@ -144,8 +145,8 @@ class BlockReader:
     block its pages are dropped from the mapping, so mapped pages never pile up in the resident
     set: a rank's peak holds its own shards, not the files it read them from.
 
-    Counts the bytes copied per key (``bytes_read``), which the tests use to prove that every rank
-    reads each byte it needs exactly once.
+    Counts the bytes of every block handed out per key (``bytes_read``), which the tests use to
+    prove that every rank reads each byte it needs exactly once.
     """
 
     def __init__(self) -> None:
@@ -160,17 +161,6 @@ class BlockReader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def read_block_into(self, entry: TensorEntry, window: tuple[slice, ...], out: torch.Tensor) -> None:
-        """Copy ``tensor[window]`` (one step-1 slice per dim) of ``entry`` into ``out`` (same shape),
-        converting dtype when ``out`` differs from the checkpoint."""
-        with self.block(entry, window) as source:
-            if tuple(out.shape) != tuple(source.shape):
-                raise CorruptCheckpointError(
-                    f"{entry.file}: tensor {entry.key!r} block {tuple(source.shape)} does not fit "
-                    f"destination {tuple(out.shape)}"
-                )
-            out.copy_(source)
 
     @contextmanager
     def block(self, entry: TensorEntry, window: tuple[slice, ...]) -> Iterator[torch.Tensor]:

@@ -42,12 +42,16 @@ def checksum(values: torch.Tensor, dim_indices: Sequence[torch.Tensor], global_s
     size = values.element_size()
     data = values.view(torch.int8).reshape(-1, values.shape[-1] * size)
     weights = _weights_of(dim_indices[-1], size)
-    row_sums = torch.zeros(data.shape[0], dtype=torch.int64)
-    for start in range(0, data.shape[1], _COLUMNS_PER_PRODUCT):
-        stop = start + _COLUMNS_PER_PRODUCT
-        row_sums += torch._int_mm(data[:, start:stop], weights[start:stop]).reshape(-1)
-    keys = _row_keys(_global_rows(dim_indices[:-1], global_shape[:-1]))
-    return int(torch.remainder(torch.remainder(row_sums, PRIME) * keys, PRIME).sum() % PRIME)
+    products = [
+        torch._int_mm(data[:, start : start + _COLUMNS_PER_PRODUCT], weights[start : start + _COLUMNS_PER_PRODUCT])
+        for start in range(0, data.shape[1], _COLUMNS_PER_PRODUCT)
+    ]
+    # One product's int32 sums times keys below 2**31 stay within int64; several are reduced first.
+    row_sums = products[0].long()
+    if len(products) > 1:
+        row_sums = torch.stack([p.long() for p in products]).sum(dim=0).remainder_(PRIME)
+    keys = _row_keys(dim_indices[:-1], global_shape[:-1])
+    return int((row_sums.reshape(-1) * keys).remainder_(PRIME).sum()) % PRIME
 
 
 def _global_rows(leading_indices: Sequence[torch.Tensor], leading_shape: Sequence[int]) -> torch.Tensor:
@@ -80,6 +84,20 @@ def _column_weights(columns: torch.Tensor) -> torch.Tensor:
     return torch.where(spread < 127, spread - 127, spread - 126).to(torch.int8).reshape(-1, 1)
 
 
-def _row_keys(rows: torch.Tensor) -> torch.Tensor:
+def _row_keys(leading_indices: Sequence[torch.Tensor], leading_shape: Sequence[int]) -> torch.Tensor:
+    """The key of every local row; a contiguous range of rows of a 2-D tensor comes from a cache."""
+    if len(leading_indices) == 1:
+        first, count = int(leading_indices[0][0]), leading_indices[0].numel()
+        if int(leading_indices[0][-1]) - first + 1 == count:
+            return _range_keys(first, count)
+    return _keys(_global_rows(leading_indices, leading_shape))
+
+
+@functools.lru_cache(maxsize=64)
+def _range_keys(first_row: int, count: int) -> torch.Tensor:
+    return _keys(torch.arange(first_row, first_row + count))
+
+
+def _keys(rows: torch.Tensor) -> torch.Tensor:
     """A key in [1, PRIME) per global row."""
     return torch.remainder(rows * 69069 + 12345, PRIME - 1) + 1

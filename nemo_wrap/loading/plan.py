@@ -22,6 +22,7 @@ from enum import Enum
 
 from nemo_wrap.distributed.precision import PrecisionPlan
 from nemo_wrap.distributed.strategies import strategy_entry
+from nemo_wrap.errors import InvalidSetupError
 
 
 class Step(str, Enum):
@@ -31,6 +32,7 @@ class Step(str, Enum):
     MATERIALIZE = "materialize (allocate each rank's storage)"
     READ_CHECKPOINT = "read the checkpoint into place"
     INITIALIZE_REST = "initialize what was not read"
+    COMPILE_LAYERS = "compile each decoder layer with torch.compile (it compiles at its first forward)"
     AUDIT = "audit every parameter's provenance"
 
 
@@ -130,9 +132,20 @@ def make_load_plan(
     key_mapping: str = "transformers' keys as they are",
     adapters: str | None = None,
     precision: PrecisionPlan | None = None,
+    compile_layers: bool = False,
 ) -> LoadPlan:
     """The one place loading is decided. Pure: no I/O, no process group; strategy facts come from
-    the strategy registry (static data)."""
+    the strategy registry (static data).
+
+    ``compile_layers`` compiles each decoder layer once the model is complete (sharded, read).
+    Refused with tensor parallel: on torch 2.13 a compiled layer of DTensors hands plain-tensor
+    gradients to DTensor's redistribute backward, which fails (measured on gloo).
+    """
+    if compile_layers and tp_size > 1:
+        raise InvalidSetupError(
+            f"compile=True with tp_size={tp_size}: compiled decoder layers do not compose with tensor "
+            "parallel on this torch (DTensor's backward receives plain tensors); use compile=False or tp_size=1"
+        )
     shard_first = strategy is not None and strategy_entry(strategy).shards_on_meta
     steps = [Step.BUILD_ON_META]
     if adapters is not None:  # before sharding, so the adapters are sharded with their layers
@@ -143,6 +156,8 @@ def make_load_plan(
     steps.append(Step.INITIALIZE_REST)
     if strategy is not None and not shard_first:
         steps.append(Step.SHARD)
+    if compile_layers:
+        steps.append(Step.COMPILE_LAYERS)
     steps.append(Step.AUDIT)
     return LoadPlan(
         model_class,

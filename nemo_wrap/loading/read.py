@@ -183,6 +183,10 @@ def fill_from_blocks(
                 slice(w.start + o.start, w.start + o.stop) for o, w in zip(offsets, block.source, strict=True)
             )
             with view_block(block.hf_key, source) as data:
+                if data.shape != out.shape:  # checked by check_blocks; copy_ would broadcast silently
+                    raise ShapeMismatchError(
+                        f"{block.hf_key!r}: block {list(data.shape)} does not fit {list(out.shape)}"
+                    )
                 out.copy_(data)
 
 

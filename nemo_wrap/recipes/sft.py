@@ -58,6 +58,7 @@ class SFTConfig:
     resume: str | None = None
     lora: LoraConfig | None = None
     precision: Precision | None = None  # "fp32" | "bf16" | "bf16-mixed"; None keeps the checkpoint's dtype
+    compile: bool = False  # torch.compile each decoder layer (not with tensor parallel)
 
 
 def run_sft(
@@ -69,7 +70,7 @@ def run_sft(
     train_rows = _rows(config.data, config, tokenizer, say)
     eval_rows = _rows(config.eval_data, config, tokenizer, say) if config.eval_data else None
     model = NeMoAutoModelForCausalLM.from_pretrained(
-        model_path, distributed_setup=setup, peft_config=config.lora, precision=config.precision
+        model_path, distributed_setup=setup, peft_config=config.lora, precision=config.precision, compile=config.compile
     )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr)
     dp_rank = setup.device_mesh().get_local_rank("dp") if setup.dp_size > 1 else 0
