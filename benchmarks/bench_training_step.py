@@ -91,7 +91,7 @@ def measure(kind: str) -> dict[str, Any]:
     return {"seconds": seconds, "tokens_per_second": STEPS * BATCH * SEQUENCE * distinct_batches / seconds}
 
 
-def table(repeats: int = 2) -> Table:
+def table(repeats: int = 3) -> Table:
     best = best_of(repeats, MODULE, list(LABELS), nproc=dict.fromkeys(LABELS, 2))
     rate = {kind: rows[0]["tokens_per_second"] for kind, rows in best.items()}
     result = Table(

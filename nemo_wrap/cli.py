@@ -78,7 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="number of ranks: plan describes that world; finetune and report re-launch "
             "themselves on that many local ranks through torchrun (do not combine with torchrun)",
         )
-    finetune = commands.choices["finetune"]
+    _add_finetune_arguments(commands.choices["finetune"])
+    return parser
+
+
+def _add_finetune_arguments(finetune: argparse.ArgumentParser) -> None:
+    """Options of fine-tuning itself (the text job and the data-set job share them)."""
     finetune.add_argument(
         "--steps", type=_positive_int, default=None, help="optimizer steps (default: 50 on text, --epochs on data sets)"
     )
@@ -95,7 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("--seed", type=int, default=0, help="data order seed (default 0)")
     finetune.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (not with tp)")
     _add_data_set_arguments(finetune)
-    return parser
 
 
 def _column_mapping(text: str) -> tuple[tuple[str, str], ...]:

@@ -51,6 +51,14 @@ def test_the_plan_for_every_precision_and_layout(layout, dtype):
     assert "fp32 master weights and optimizer state, bf16 compute" in str(mixed)
 
 
+def test_without_precision_the_plan_describes_fsdp2_own_dtypes():
+    options = FSDP2Options(param_dtype=BF16)
+    own = precision_plan(None, F32, "fsdp2", 2, options)
+    assert (own.parameter_dtype, own.compute_dtype, own.reduce_dtype, own.cast_by) == (F32, BF16, F32, "fully_shard")
+    assert str(own).startswith("the strategy's own dtypes: fp32 master weights and optimizer state, bf16 compute")
+    assert precision_plan(None, F32, "fsdp2", 1, options).cast_by == "none"  # pure tp: no fully_shard
+
+
 def test_precision_and_dtype_must_agree():
     assert parameter_dtype("bf16-mixed", None) == F32 and parameter_dtype("bf16", BF16) == BF16
     assert parameter_dtype(None, None) is None and parameter_dtype(None, BF16) == BF16

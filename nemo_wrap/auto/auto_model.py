@@ -170,7 +170,7 @@ def _make_plan(
         has_checkpoint=has_checkpoint,
         key_mapping=source.spec.key_mapping(source.architecture, config.model_type),
         adapters=None if lora is None else lora.plan_kind,
-        precision=precision_plan(*precision, strategy, dp_size),
+        precision=precision_plan(*precision, strategy, dp_size, None if setup is None else setup.options),
         compile_layers=compile_layers,
     )
 

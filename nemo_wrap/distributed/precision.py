@@ -64,36 +64,47 @@ class PrecisionPlan:
         )
 
 
-def precision_plan(precision: str | None, dtype: torch.dtype, strategy: str | None, dp_size: int) -> PrecisionPlan:
-    """The precision of a model built from ``dtype`` (the resolved ``dtype=`` argument) under
-    ``strategy`` with ``dp_size`` data-parallel ranks. ``precision=None`` keeps ``dtype`` throughout.
-    Pure: strategy facts come from the registry."""
+def precision_plan(
+    precision: str | None, dtype: torch.dtype, strategy: str | None, dp_size: int, options: Any = None
+) -> PrecisionPlan:
+    """The precision of a model whose parameters are built in ``dtype``, under ``strategy`` (with
+    its ``options``) on ``dp_size`` data-parallel ranks. Pure: strategy facts come from the registry.
+
+    ``precision=None`` keeps ``dtype`` throughout, unless the strategy's own options cast (fsdp2's
+    ``param_dtype`` / ``reduce_dtype``), which the plan then describes.
+    """
+    _require_known(precision)
+    casts_itself = strategy is not None and strategy_entry(strategy).mixed_precision_options is not None and dp_size > 1
     if precision is None:
+        compute, reduce = getattr(options, "param_dtype", None), getattr(options, "reduce_dtype", None)
+        if casts_itself and (compute or reduce):
+            return PrecisionPlan("the strategy's own dtypes", dtype, compute or dtype, reduce or dtype, "fully_shard")
         return PrecisionPlan(f"{_DTYPE_NAMES[dtype]} (no precision given: the dtype)", dtype, dtype, dtype, "none")
-    if precision not in PRECISIONS:
-        raise InvalidSetupError(f"precision={precision!r}: choose one of {list(PRECISIONS)}")
     if precision != "bf16-mixed":
         stored = torch.float32 if precision == "fp32" else torch.bfloat16
         return PrecisionPlan(precision, stored, stored, stored, "none")
-    fully_shard = strategy is not None and strategy_entry(strategy).mixed_precision_options is not None and dp_size > 1
     return PrecisionPlan(
-        precision, torch.float32, torch.bfloat16, torch.float32, "fully_shard" if fully_shard else "autocast"
+        precision, torch.float32, torch.bfloat16, torch.float32, "fully_shard" if casts_itself else "autocast"
     )
 
 
 def parameter_dtype(precision: str | None, dtype: torch.dtype | None) -> torch.dtype | None:
     """The dtype parameters are built in: ``precision``'s, checked against an explicit ``dtype``
     (``None`` when neither decides, so the checkpoint's or config's dtype is used)."""
+    _require_known(precision)
     if precision is None:
         return dtype
-    if precision not in PRECISIONS:
-        raise InvalidSetupError(f"precision={precision!r}: choose one of {list(PRECISIONS)}")
     stored = torch.bfloat16 if precision == "bf16" else torch.float32
     if dtype is not None and dtype != stored:
         raise InvalidSetupError(
             f"precision={precision!r} keeps parameters in {stored}, but dtype={dtype} was passed: drop one of them"
         )
     return stored
+
+
+def _require_known(precision: str | None) -> None:
+    if precision is not None and precision not in PRECISIONS:
+        raise InvalidSetupError(f"precision={precision!r}: choose one of {list(PRECISIONS)}")
 
 
 def strategy_options(plan: PrecisionPlan, strategy: str, options: Any) -> Any:

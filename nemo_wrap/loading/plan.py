@@ -138,14 +138,8 @@ def make_load_plan(
     the strategy registry (static data).
 
     ``compile_layers`` compiles each decoder layer once the model is complete (sharded, read).
-    Refused with tensor parallel: on torch 2.13 a compiled layer of DTensors hands plain-tensor
-    gradients to DTensor's redistribute backward, which fails (measured on gloo).
     """
-    if compile_layers and tp_size > 1:
-        raise InvalidSetupError(
-            f"compile=True with tp_size={tp_size}: compiled decoder layers do not compose with tensor "
-            "parallel on this torch (DTensor's backward receives plain tensors); use compile=False or tp_size=1"
-        )
+    _check_compile(compile_layers, tp_size)
     shard_first = strategy is not None and strategy_entry(strategy).shards_on_meta
     steps = [Step.BUILD_ON_META]
     if adapters is not None:  # before sharding, so the adapters are sharded with their layers
@@ -172,3 +166,13 @@ def make_load_plan(
         adapters,
         precision,
     )
+
+
+def _check_compile(compile_layers: bool, tp_size: int) -> None:
+    """Compiled layers are refused with tensor parallel: on torch 2.13 a compiled layer of DTensors
+    hands plain-tensor gradients to DTensor's redistribute backward, which fails (measured on gloo)."""
+    if compile_layers and tp_size > 1:
+        raise InvalidSetupError(
+            f"compile=True with tp_size={tp_size}: compiled decoder layers do not compose with tensor "
+            "parallel on this torch (DTensor's backward receives plain tensors); use compile=False or tp_size=1"
+        )

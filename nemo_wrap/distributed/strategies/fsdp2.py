@@ -27,15 +27,18 @@ class FSDP2Options:
 
     ``param_dtype``/``reduce_dtype`` form its ``MixedPrecisionPolicy`` (``None`` keeps the
     parameters' dtype); ``reshard_after_forward=False`` trades memory for one all-gather less.
+    ``None`` (default) is torch's own choice: each layer reshards, the root does not — the root
+    (embeddings, lm_head) is needed again as soon as the backward starts, so resharding it only
+    adds an all-gather (3-4% of a 100M step on 2 CPU ranks).
     """
 
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.reshard_after_forward, bool):
-            raise InvalidSetupError(f"reshard_after_forward must be a bool, got {self.reshard_after_forward!r}")
+        if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
+            raise InvalidSetupError(f"reshard_after_forward must be a bool or None, got {self.reshard_after_forward!r}")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, torch.dtype):
