@@ -96,3 +96,13 @@ def test_every_swap_of_two_unequal_values_is_caught():
         swapped = flat.clone()
         swapped[[a, b]] = flat[[b, a]]
         assert _whole(swapped.reshape(4, 6)) != clean, (a, b)
+
+
+def test_ranges_and_index_tensors_name_the_same_positions():
+    """The loader's windows come as ranges (stepped for interleaved rows), shards as index tensors."""
+    values = _random((3, 4, 6), torch.bfloat16, seed=3)
+    shape = (8, 4, 13)
+    as_ranges = [range(1, 7, 2), range(4), range(5, 11)]
+    as_tensors = [torch.arange(r.start, r.stop, r.step) for r in as_ranges]
+    assert checksum(values, as_ranges, shape) == checksum(values, as_tensors, shape)
+    assert checksum(values[0, 0], [range(5, 11)], (13,)) == checksum(values[0, 0], [torch.arange(5, 11)], (13,))

@@ -29,14 +29,18 @@ PRIME = 2**31 - 1
 _COLUMNS_PER_PRODUCT = 2**16
 
 
-def checksum(values: torch.Tensor, dim_indices: Sequence[torch.Tensor], global_shape: Sequence[int]) -> int:
+# The global indices of a block along one dim: a tensor (a shard's, possibly strided) or a range.
+Index = torch.Tensor | range
+
+
+def checksum(values: torch.Tensor, dim_indices: Sequence[Index], global_shape: Sequence[int]) -> int:
     """The checksum of ``values``, a block whose position ``i`` along dim ``d`` is global index
     ``dim_indices[d][i]`` of a tensor of ``global_shape``; in ``[0, PRIME)``."""
     if values.numel() == 0:
         return 0
     values = values.detach().cpu()
     if values.dim() == 0:
-        values, dim_indices, global_shape = values.reshape(1), (torch.zeros(1, dtype=torch.int64),), (1,)
+        values, dim_indices, global_shape = values.reshape(1), (range(1),), (1,)
     if values.stride(-1) != 1:
         values = values.contiguous()
     size = values.element_size()
@@ -54,23 +58,35 @@ def checksum(values: torch.Tensor, dim_indices: Sequence[torch.Tensor], global_s
     return int((row_sums.reshape(-1) * keys).remainder_(PRIME).sum()) % PRIME
 
 
-def _global_rows(leading_indices: Sequence[torch.Tensor], leading_shape: Sequence[int]) -> torch.Tensor:
+def _global_rows(leading_indices: Sequence[Index], leading_shape: Sequence[int]) -> torch.Tensor:
     """The global row number of every local row (row-major over the leading dims)."""
     rows = torch.zeros((), dtype=torch.int64)
     for dim, index in enumerate(leading_indices):
         stride = math.prod(leading_shape[dim + 1 :])
-        rows = rows.unsqueeze(-1) + index.to(torch.int64) * stride
+        rows = rows.unsqueeze(-1) + _as_tensor(index) * stride
     return rows.reshape(-1)
 
 
-def _weights_of(last_indices: torch.Tensor, element_size: int) -> torch.Tensor:
+def _weights_of(last_indices: Index, element_size: int) -> torch.Tensor:
     """The weight column (bytes × 1) for elements at global indices ``last_indices`` of the last dim.
     A contiguous range — nearly every block — is looked up in a cache: the same rows recur per layer."""
-    first, count = int(last_indices[0]), last_indices.numel()
-    if int(last_indices[-1]) - first + 1 == count:
-        return _range_weights(first * element_size, count * element_size)
-    columns = last_indices.reshape(-1, 1) * element_size + torch.arange(element_size)
+    span = _contiguous(last_indices)
+    if span is not None:
+        return _range_weights(span[0] * element_size, span[1] * element_size)
+    columns = _as_tensor(last_indices).reshape(-1, 1) * element_size + torch.arange(element_size)
     return _column_weights(columns.reshape(-1))
+
+
+def _contiguous(index: Index) -> tuple[int, int] | None:
+    """``(first, count)`` when ``index`` is a run of consecutive integers, else ``None``."""
+    if isinstance(index, range):
+        return (index.start, len(index)) if index.step == 1 or len(index) == 1 else None
+    first, count = int(index[0]), index.numel()
+    return (first, count) if int(index[-1]) - first + 1 == count else None
+
+
+def _as_tensor(index: Index) -> torch.Tensor:
+    return torch.arange(index.start, index.stop, index.step) if isinstance(index, range) else index.to(torch.int64)
 
 
 @functools.lru_cache(maxsize=64)
@@ -84,12 +100,11 @@ def _column_weights(columns: torch.Tensor) -> torch.Tensor:
     return torch.where(spread < 127, spread - 127, spread - 126).to(torch.int8).reshape(-1, 1)
 
 
-def _row_keys(leading_indices: Sequence[torch.Tensor], leading_shape: Sequence[int]) -> torch.Tensor:
+def _row_keys(leading_indices: Sequence[Index], leading_shape: Sequence[int]) -> torch.Tensor:
     """The key of every local row; a contiguous range of rows of a 2-D tensor comes from a cache."""
-    if len(leading_indices) == 1:
-        first, count = int(leading_indices[0][0]), leading_indices[0].numel()
-        if int(leading_indices[0][-1]) - first + 1 == count:
-            return _range_keys(first, count)
+    span = _contiguous(leading_indices[0]) if len(leading_indices) == 1 else None
+    if span is not None:
+        return _range_keys(*span)
     return _keys(_global_rows(leading_indices, leading_shape))
 
 

@@ -52,7 +52,7 @@ def _expected_checksum(name: str, like: torch.Tensor, adapter: StateDictAdapter,
             values = window if window.dtype == like.dtype else window.to(like.dtype)
             if block.stacked:  # the checkpoint tensor lacks the stacking dim 0
                 values = values.unsqueeze(0)
-            indices = [torch.arange(s.start, s.stop, s.step or 1) for s in block.target]
+            indices = [range(s.start, s.stop, s.step or 1) for s in block.target]
             total += checksum(values, indices, tuple(like.shape))
     return total % PRIME
 
