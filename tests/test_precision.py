@@ -76,6 +76,11 @@ def test_fsdp2_options_take_the_policy_or_refuse_a_conflict():
     assert with_mixed_precision(FSDP2Options(param_dtype=BF16), BF16, F32).reduce_dtype == F32
     with pytest.raises(InvalidSetupError, match=r"param_dtype=torch.float16\) conflicts with the precision"):
         with_mixed_precision(FSDP2Options(param_dtype=torch.float16), BF16, F32)
+    conflicting = FSDP2Options(param_dtype=torch.float16)  # the plan (so plan() and the load) refuses it
+    for precision in ("bf16-mixed", "fp32"):
+        with pytest.raises(InvalidSetupError, match=r"param_dtype=torch.float16\) conflicts with the precision"):
+            precision_plan(precision, F32, "fsdp2", 2, conflicting)
+    assert precision_plan("bf16-mixed", F32, "fsdp2", 1, conflicting).cast_by == "autocast"  # pure tp: no FSDP
 
 
 @pytest.fixture(scope="module")

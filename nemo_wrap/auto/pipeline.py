@@ -23,7 +23,7 @@ from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
 from nemo_wrap.distributed.collectives import RankGroup, collective_device, device_memory_bytes
 from nemo_wrap.distributed.modules import decoder_layers
-from nemo_wrap.distributed.precision import apply_autocast, strategy_options
+from nemo_wrap.distributed.precision import apply_autocast
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.distributed.sharding import shard_model
 from nemo_wrap.distributed.tensor_parallel import TensorParallelPlan, check_tensor_parallel_supported
@@ -105,8 +105,6 @@ class LoadPipeline:
         element_size = torch.empty((), dtype=self.dtype).element_size()
         shards = 1 if self.setup is None else self.setup.parameter_shards
         check_size_budget(self.config, element_size, shards, device_memory_bytes(collective_device()))
-        if self.setup is not None and self.plan.precision is not None:  # refuse conflicting dtypes now
-            strategy_options(self.plan.precision, self.setup.strategy, self.setup.options)
 
     def build_on_meta(self) -> None:
         self.model = build_on_meta(loadable_class(self.source), self.config, self.dtype)

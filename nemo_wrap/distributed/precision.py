@@ -71,21 +71,26 @@ def precision_plan(
     its ``options``) on ``dp_size`` data-parallel ranks. Pure: strategy facts come from the registry.
 
     ``precision=None`` keeps ``dtype`` throughout, unless the strategy's own options cast (fsdp2's
-    ``param_dtype`` / ``reduce_dtype``), which the plan then describes.
+    ``param_dtype`` / ``reduce_dtype``), which the plan then describes. A ``precision`` whose
+    dtypes those options contradict raises :class:`InvalidSetupError` here, so ``plan()`` refuses
+    it as the load would.
     """
     _require_known(precision)
-    casts_itself = strategy is not None and strategy_entry(strategy).mixed_precision_options is not None and dp_size > 1
+    with_precision = None if strategy is None or dp_size == 1 else strategy_entry(strategy).mixed_precision_options
     if precision is None:
         compute, reduce = getattr(options, "param_dtype", None), getattr(options, "reduce_dtype", None)
-        if casts_itself and (compute or reduce):
+        if with_precision is not None and (compute or reduce):
             return PrecisionPlan("the strategy's own dtypes", dtype, compute or dtype, reduce or dtype, "fully_shard")
         return PrecisionPlan(f"{_DTYPE_NAMES[dtype]} (no precision given: the dtype)", dtype, dtype, dtype, "none")
-    if precision != "bf16-mixed":
+    if precision == "bf16-mixed":
+        cast_by: Literal["none", "fully_shard", "autocast"] = "fully_shard" if with_precision else "autocast"
+        plan = PrecisionPlan(precision, torch.float32, torch.bfloat16, torch.float32, cast_by)
+    else:
         stored = torch.float32 if precision == "fp32" else torch.bfloat16
-        return PrecisionPlan(precision, stored, stored, stored, "none")
-    return PrecisionPlan(
-        precision, torch.float32, torch.bfloat16, torch.float32, "fully_shard" if casts_itself else "autocast"
-    )
+        plan = PrecisionPlan(precision, stored, stored, stored, "none")
+    if with_precision is not None and options is not None:  # the strategy's own dtypes must agree
+        with_precision(options, plan.compute_dtype, plan.reduce_dtype)
+    return plan
 
 
 def parameter_dtype(precision: str | None, dtype: torch.dtype | None) -> torch.dtype | None:
