@@ -16,7 +16,14 @@ from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
 from nemo_wrap.loading.provenance import Initialized, Provenance
 from nemo_wrap.loading.read import read_into_model
-from nemo_wrap.models.lora import add_lora, find_lora_targets, is_lora_parameter, lora_settings
+from nemo_wrap.models.lora import (
+    add_lora,
+    add_projection_views,
+    find_lora_targets,
+    fused_parts,
+    is_lora_parameter,
+    lora_settings,
+)
 from nemo_wrap.models.lora.state_dict import AdapterFileAdapter
 from nemo_wrap.models.registry import ModelSource
 
@@ -51,6 +58,14 @@ def add_adapters(
     resolved.inference_mode = False
     model.lora_config = resolved  # type: ignore[assignment]  # read by save_pretrained (ShardedModelMixin)
     return tensor_parallel_entries
+
+
+def expose_projections_to_peft(model: PreTrainedModel, source: ModelSource) -> None:
+    """Name transformers' projections inside our fused layers, so that PEFT's own
+    ``get_peft_model`` (TRL's ``peft_config=``) adapts them (see :mod:`nemo_wrap.models.lora.peft_views`).
+    transformers' own classes already have those names."""
+    if source.is_custom:
+        add_projection_views(model, fused_parts(model, source.spec.adapter(model)))
 
 
 def read_adapter_file(

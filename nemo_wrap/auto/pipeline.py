@@ -17,7 +17,13 @@ import torch.distributed as dist
 from transformers import PretrainedConfig, PreTrainedModel
 
 from nemo_wrap.auto.classes import loadable_class
-from nemo_wrap.auto.lora_steps import LoraRequest, add_adapters, new_adapter_provenance, read_adapter_file
+from nemo_wrap.auto.lora_steps import (
+    LoraRequest,
+    add_adapters,
+    expose_projections_to_peft,
+    new_adapter_provenance,
+    read_adapter_file,
+)
 from nemo_wrap.auto.model_mixin import no_cache_while_training
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
@@ -109,6 +115,8 @@ class LoadPipeline:
     def build_on_meta(self) -> None:
         self.model = build_on_meta(loadable_class(self.source), self.config, self.dtype)
         self.model.register_forward_pre_hook(no_cache_while_training, with_kwargs=True)
+        if self.setup is None:  # PEFT's own adapters, added after sharding, would be neither sharded nor synced
+            expose_projections_to_peft(self.model, self.source)
         if self.plan.precision is not None:
             apply_autocast(self.model, self.plan.precision, collective_device().type)
 

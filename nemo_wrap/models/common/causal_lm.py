@@ -19,8 +19,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 
-from nemo_wrap.errors import InvalidModelInputError
-from nemo_wrap.models.common.decoder import DecoderModel
+from nemo_wrap.models.common.decoder import DecoderModel, refuse_attention_weights
 from nemo_wrap.models.common.norm import RMSNorm
 from nemo_wrap.models.common.rope import RotaryEmbedding, rope_inverse_frequencies
 
@@ -94,11 +93,7 @@ class NeMoCausalLM(PreTrainedModel, GenerationMixin):
         transformers' causal-LM loss, which shifts ``labels`` itself; the output is always a
         ``CausalLMOutputWithPast``, so ``return_dict`` (which ``generate`` passes) has no effect.
         """
-        if output_attentions:
-            raise InvalidModelInputError(
-                f"{type(self).__name__} runs attention through PyTorch's SDPA kernel, which computes no "
-                "attention weights: load with force_hf=True and attn_implementation='eager' to get them"
-            )
+        refuse_attention_weights(output_attentions, type(self).__name__)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and self.training and torch.is_grad_enabled() and self.is_activation_checkpointing:
             use_cache = False  # the checkpointed layers drop the cache anyway; do not create one

@@ -103,15 +103,21 @@ class DecoderModel(nn.Module):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool = False,
-        output_hidden_states: bool = False,
+        output_hidden_states: bool | None = False,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
     ) -> DecoderOutput:
         """The last hidden state, the cache (created here when ``use_cache`` asks for one), and with
         ``output_hidden_states`` every layer's input plus the final normed state, as transformers
         returns them (``num_hidden_layers + 1`` tensors).
 
         ``attention_mask`` is the usual 2-D padding mask, or a ``{layer_type: mask}`` dict already
-        built by ``generate`` (it does so for compileable caches).
+        built by ``generate`` (it does so for compileable caches). ``output_attentions`` and
+        ``return_dict`` are taken as transformers' backbones take them, because callers that run
+        the backbone alone pass them (TRL's fused LM head, under PEFT): the output is always a
+        named tuple, and attention weights are never computed, so ``output_attentions=True`` raises.
         """
+        refuse_attention_weights(output_attentions, type(self).__name__)
         if (input_ids is None) == (inputs_embeds is None):
             raise InvalidModelInputError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
@@ -156,3 +162,12 @@ class DecoderModel(nn.Module):
             )
             for layer_type in set(self.layer_types)
         }
+
+
+def refuse_attention_weights(output_attentions: bool | None, model_name: str) -> None:
+    """SDPA computes no attention weights: asking for them raises, naming the way to get them."""
+    if output_attentions:
+        raise InvalidModelInputError(
+            f"{model_name} runs attention through PyTorch's SDPA kernel, which computes no "
+            "attention weights: load with force_hf=True and attn_implementation='eager' to get them"
+        )

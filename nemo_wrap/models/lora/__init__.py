@@ -7,19 +7,34 @@ PEFT's own layers cannot be injected there by name; instead each adapted linear 
 projection it fuses, whose output a forward hook adds to that projection's rows. The parameters are named so
 that PEFT's key of each is a string rewrite (:func:`~nemo_wrap.models.lora.targets.peft_key`), and
 they are ordinary parameters of the decoder layers: sharded, initialized and audited like the rest.
+
+When the caller runs PEFT's own ``get_peft_model`` instead (TRL's ``peft_config=``), PEFT's layers
+do the arithmetic on parameterless views of the fused layers' projections
+(:mod:`~nemo_wrap.models.lora.peft_views`).
 """
 
 from nemo_wrap.models.lora.layers import LoraAdapters, LoraPair
+from nemo_wrap.models.lora.peft_views import ProjectionView, add_projection_views
 from nemo_wrap.models.lora.settings import LoraSettings, lora_settings
-from nemo_wrap.models.lora.targets import LoraTarget, add_lora, find_lora_targets, is_lora_parameter, peft_key
+from nemo_wrap.models.lora.targets import (
+    LoraTarget,
+    add_lora,
+    find_lora_targets,
+    fused_parts,
+    is_lora_parameter,
+    peft_key,
+)
 
 __all__ = [
     "LoraAdapters",
     "LoraPair",
     "LoraSettings",
     "LoraTarget",
+    "ProjectionView",
     "add_lora",
+    "add_projection_views",
     "find_lora_targets",
+    "fused_parts",
     "is_lora_parameter",
     "lora_settings",
     "peft_key",

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from nemo_wrap.distributed.tensor_parallel import ReplicateWithGradientSum
 from nemo_wrap.errors import LoraTargetError, UnsupportedLoraOptionError, summarize
 from nemo_wrap.models.lora.layers import LoraAdapters, Placement, add_lora_output
+from nemo_wrap.models.lora.peft_views import is_projection_view
 from nemo_wrap.models.lora.settings import LoraSettings
 from nemo_wrap.state_dict import StateDictAdapter
 
@@ -46,7 +47,7 @@ def find_lora_targets(
 ) -> tuple[LoraConfig, list[LoraTarget]]:
     """The layers ``config`` adapts on ``model``, and ``config`` with ``"all-linear"`` spelt out (as
     PEFT saves it). Raises :class:`LoraTargetError` when nothing matches."""
-    linears: dict[str, nn.Linear] = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linears = _linear_layers(model)
     parts = {name: _parts(name, module, adapter) for name, module in linears.items()}
     resolved = _spell_out_all_linear(config, model, parts)
     _refuse_unadaptable(model, resolved, linears)
@@ -84,6 +85,13 @@ def add_lora(model: PreTrainedModel, targets: list[LoraTarget], settings: LoraSe
     return plan
 
 
+def fused_parts(model: PreTrainedModel, adapter: StateDictAdapter) -> dict[str, list[tuple[str, Placement]]]:
+    """Every linear layer of ``model`` that holds several transformers projections, with each
+    projection's name and where its rows sit in the layer (from the state-dict adapter)."""
+    parts = {name: _parts(name, module, adapter) for name, module in _linear_layers(model).items()}
+    return {name: found for name, found in parts.items() if len(found) > 1}
+
+
 def is_lora_parameter(name: str) -> bool:
     return _LORA_PARAMETER.search(name) is not None
 
@@ -94,6 +102,15 @@ def peft_key(name: str) -> str:
     module, _, rest = name.partition(_PAIRS)
     parent = module.rpartition(".")[0]
     return f"base_model.model.{parent + '.' if parent else ''}{rest}.weight"
+
+
+def _linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    """The model's own linear layers (not the parameterless views PEFT's wrapping uses)."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and not is_projection_view(module)
+    }
 
 
 def _parts(name: str, module: nn.Linear, adapter: StateDictAdapter | None) -> list[tuple[str, Placement]]:
@@ -139,7 +156,8 @@ def _refuse_unadaptable(model: PreTrainedModel, config: LoraConfig, linears: dic
     """A target naming a layer that is not ``nn.Linear`` (GPT-2's ``Conv1D``, an embedding) would be
     skipped in silence; PEFT would adapt it. Refuse instead."""
     for name, module in model.named_modules():
-        if name and name not in linears and not list(module.children()) and _matches(config, name):
+        skipped = name in linears or is_projection_view(module) or list(module.children())
+        if name and not skipped and _matches(config, name):
             raise UnsupportedLoraOptionError(
                 f"target_modules matches {name}, a {type(module).__name__}: nemo_wrap adapts nn.Linear layers only"
             )
