@@ -28,6 +28,13 @@ if TYPE_CHECKING:
     from nemo_wrap.loading.provenance import LoadReport
 
 _COMMANDS = ("finetune", "plan", "report")
+# The degrees besides tp, as DistributedSetup.build names them (flags spell them with dashes).
+_OTHER_DEGREES = {
+    "dp_replicate_size": "data-parallel replicas (HSDP with fsdp2)",
+    "cp_size": "context-parallel degree (described by plan; not loadable yet)",
+    "pp_size": "pipeline-parallel stages (described by plan; not loadable yet)",
+    "ep_size": "expert-parallel degree (described by plan; not loadable yet)",
+}
 DEFAULT_OUTPUT_DIR = "nemo_wrap_output"
 
 
@@ -65,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sub.add_argument("--strategy", default="fsdp2", help=f"{' | '.join(strategy_names())} (default fsdp2)")
         sub.add_argument("--tp-size", type=_positive_int, default=1, help="tensor-parallel degree (default 1)")
+        for degree, what in _OTHER_DEGREES.items():
+            sub.add_argument(f"--{degree.replace('_', '-')}", type=_positive_int, default=1, help=f"{what} (default 1)")
         sub.add_argument(
             "--precision",
             choices=PRECISIONS,
@@ -197,7 +206,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from nemo_wrap.auto import NeMoAutoModelForCausalLM
 
     world_size = args.nproc or _launched_world_size() or 1
-    setup = DistributedSetup.build(args.strategy, world_size, tp_size=args.tp_size)
+    setup = _setup(args, world_size)
     print(NeMoAutoModelForCausalLM.plan(_model_path(args), distributed_setup=setup, precision=args.precision))
     return 0
 
@@ -208,7 +217,7 @@ def _run_report(args: argparse.Namespace) -> int:
     path = _model_path(args)
     env = initialize_distributed()
     try:
-        setup = DistributedSetup.build(args.strategy, env.world_size, tp_size=args.tp_size)
+        setup = _setup(args, env.world_size)
         model = NeMoAutoModelForCausalLM.from_pretrained(
             path, distributed_setup=setup, verify=True, precision=args.precision
         )
@@ -231,7 +240,7 @@ def _run_sft(args: argparse.Namespace) -> int:
     path = _model_path(args)
     env = initialize_distributed()
     try:
-        setup = DistributedSetup.build(args.strategy, env.world_size, tp_size=args.tp_size)
+        setup = _setup(args, env.world_size)
         say = print if env.is_main_process else (lambda *_: None)
         tokenizer = _tokenizer(path)
         targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
@@ -269,7 +278,7 @@ def _run_finetune(args: argparse.Namespace) -> int:
     path = _model_path(args)
     env = initialize_distributed()
     try:
-        setup = DistributedSetup.build(args.strategy, env.world_size, tp_size=args.tp_size)
+        setup = _setup(args, env.world_size)
         say = print if env.is_main_process else (lambda *_: None)
         say(NeMoAutoModelForCausalLM.plan(path, setup, precision=args.precision, compile=args.compile))
         # Tokenizer and data first: every rank fails on them alike, before the load's collectives.
@@ -280,7 +289,7 @@ def _run_finetune(args: argparse.Namespace) -> int:
             path, distributed_setup=setup, precision=args.precision, compile=args.compile
         )
         say(cast("LoadReport", model.load_report).summary())
-        dp_rank = setup.device_mesh().get_local_rank("dp") if setup.dp_size > 1 else 0
+        dp_rank = setup.dp_rank()
         batches = iterate_batches(windows, args.batch_size, args.seed, dp_rank, setup.dp_size)
         say(
             f"data: {data} — {windows.shape[0]} windows of {args.seq_len} tokens; "
@@ -310,6 +319,12 @@ def _run_finetune(args: argparse.Namespace) -> int:
 _RUNNERS = {"finetune": _run_finetune, "plan": _run_plan, "report": _run_report}
 
 
+def _setup(args: argparse.Namespace, world_size: int) -> DistributedSetup:
+    """The setup the command-line degrees describe, on ``world_size`` ranks."""
+    degrees = {name: getattr(args, name) for name in _OTHER_DEGREES}
+    return DistributedSetup.build(args.strategy, world_size, tp_size=args.tp_size, **degrees)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``nemo-wrap`` and ``python -m nemo_wrap.cli``; returns the exit status."""
     parser = build_parser()
@@ -321,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         launched = _launched_world_size()
         if args.command != "plan" and args.nproc is not None:
             if launched is None and args.nproc > 1:
-                DistributedSetup.build(args.strategy, args.nproc, tp_size=args.tp_size)  # fail before launching
+                _setup(args, args.nproc)  # fail before launching
                 _model_path(args)  # build the default once, before the ranks start
                 return _relaunch(argv, args.nproc)
             if launched is not None and launched != args.nproc:

@@ -27,6 +27,10 @@ class InvalidSetupError(NeMoWrapError, ValueError):
     """A ``DistributedSetup`` argument is invalid (unknown strategy, bad sizes, unknown option)."""
 
 
+class UnsupportedSetupError(NeMoWrapError, NotImplementedError):
+    """A valid setup whose parallelism a load cannot run yet (context, pipeline, expert parallel)."""
+
+
 class StrategyUnavailableError(NeMoWrapError, RuntimeError):
     """The requested strategy cannot run here (no CUDA, or its optional package is missing)."""
 

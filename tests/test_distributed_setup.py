@@ -21,7 +21,7 @@ from nemo_wrap.distributed.strategies.fsdp2 import FSDP2Options
     ("kwargs", "named"),
     [
         (dict(strategy="zero3", world_size=2), "strategy='zero3'"),
-        (dict(strategy="ddp", world_size=2, tp_size=2), "tp_size=2"),
+        (dict(strategy="megatron_fsdp", world_size=2, tp_size=2), "tp_size=2"),  # ddp takes tp since DDP x TP
         (dict(strategy="fsdp2", world_size=6, tp_size=4), "world_size=6 is not divisible by tp_size=4"),
         (dict(strategy="fsdp2", world_size=0), "world_size"),
         (dict(strategy="fsdp2", world_size=2, tp_size=0), "tp_size"),
@@ -154,7 +154,6 @@ def _toy_entry(applied: list):
         options_class=DDPOptions,
         shards_on_meta=False,
         shards_parameters=False,
-        supports_tensor_parallel=False,
         apply=apply,
         check_available=lambda: None,
     )

@@ -1,8 +1,8 @@
 """Init interception is process-wide machinery with per-context state: threads do not disturb each other.
 
-The redirecting wrappers are installed once, idempotently, under a lock; which session (seed, loaded
-names) a redirected call serves comes from a ContextVar, so a thread sees only its own session, and
-a thread with none gets torch's own function.
+The redirecting wrappers are installed idempotently, under a lock, while any session is active, and
+removed after the last; which session (seed, loaded names) a redirected call serves comes from a
+ContextVar, so a thread sees only its own session, and a thread with none gets torch's own function.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import transformers.initialization as hf_init
 
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
-from nemo_wrap.initialization.interception import install_redirections
+from nemo_wrap.initialization.interception import _redirections_installed
 from tests.tiny_models import tiny_config
 
 BUILDS = (("llama", 1), ("qwen3", 2), ("own-qwen2", 3))
@@ -74,8 +74,23 @@ def test_a_thread_without_a_session_gets_torchs_own_draw_while_another_initializ
 
 
 def test_installation_is_idempotent():
-    install_redirections()
-    install_redirections()
-    for function in (torch.nn.init.normal_, hf_init.normal_, torch.nn.init.zeros_):
-        wrapped = function.__wrapped__  # exactly one layer of redirection
-        assert not hasattr(wrapped, "_nemo_wrap_redirects"), function
+    with _redirections_installed(), _redirections_installed():  # nested sessions
+        for function in (torch.nn.init.normal_, hf_init.normal_, torch.nn.init.zeros_):
+            wrapped = function.__wrapped__  # exactly one layer of redirection
+            assert not hasattr(wrapped, "_nemo_wrap_redirects"), function
+    assert not hasattr(torch.nn.init.normal_, "_nemo_wrap_redirects")
+
+
+def test_init_functions_are_torchs_own_again_after_every_build(tmp_path):
+    """The interception lives only while a model is built and initialized, not in the process."""
+    from tests.checkpoints import write_checkpoint
+
+    originals = {name: getattr(torch.nn.init, name) for name in hf_init.TORCH_INIT_FUNCTIONS}
+    hf_originals = {name: getattr(hf_init, name) for name in hf_init.TORCH_INIT_FUNCTIONS}
+    NeMoAutoModelForCausalLM.from_config(tiny_config("llama"), seed=1)
+    NeMoAutoModelForCausalLM.from_pretrained(write_checkpoint(tmp_path, "own-llama", "half", tie=True))
+    _build_concurrently(rounds=1)
+    for name, function in originals.items():
+        assert getattr(torch.nn.init, name) is function, name
+        assert not hasattr(getattr(torch.nn.init, name), "_nemo_wrap_redirects"), name
+        assert getattr(hf_init, name) is hf_originals[name], name

@@ -159,7 +159,7 @@ def _make_plan(
 ) -> LoadPlan:
     """The plan; ``precision`` is the ``precision=`` argument and the parameters' resolved dtype."""
     strategy = None if setup is None else setup.strategy
-    dp_size = 1 if setup is None else setup.world_size // setup.tp_size
+    dp_size = 1 if setup is None else setup.dp_size
     return make_load_plan(
         model_class=source.model_class.__name__,
         is_custom=source.is_custom,
@@ -172,6 +172,7 @@ def _make_plan(
         adapters=None if lora is None else lora.plan_kind,
         precision=precision_plan(*precision, strategy, dp_size, None if setup is None else setup.options),
         compile_layers=compile_layers,
+        parallelism=None if setup is None else setup.describe(),
     )
 
 

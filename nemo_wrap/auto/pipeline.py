@@ -105,6 +105,7 @@ class LoadPipeline:
     def check_preconditions(self) -> None:
         """Local checks every rank makes alike, before any allocation or collective."""
         if self.setup is not None:
+            self.setup.check_buildable()
             self.setup.entry.check_available()
         keys = None if self.checkpoint is None else checkpoint_shapes(self.checkpoint).keys()
         self.tp_plan = check_loadable(self.source, self.config, self.setup, keys)

@@ -16,9 +16,9 @@ from typing import Any, Literal
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from nemo_wrap.distributed.strategies import StrategyEntry, strategy_entry, strategy_names
-from nemo_wrap.errors import DistributedStateError, InvalidSetupError
-from nemo_wrap.validation import require_positive_int
+from nemo_wrap.distributed.degrees import ParallelDegrees, derive_degrees
+from nemo_wrap.distributed.strategies import StrategyEntry, strategy_entry
+from nemo_wrap.errors import DistributedStateError, InvalidSetupError, UnsupportedSetupError
 
 # The built-in strategies' names, for type checkers; registered strategies are accepted too.
 Strategy = Literal["ddp", "fsdp2", "megatron_fsdp"]
@@ -38,37 +38,34 @@ def _build_options(entry: StrategyEntry, options: dict[str, Any]) -> Any:
         raise InvalidSetupError(f"DistributedSetup.build: {error}") from None
 
 
-def _check_sizes(entry: StrategyEntry, world_size: object, tp_size: object) -> tuple[int, int]:
-    world = require_positive_int(world_size, "DistributedSetup.build: world_size", InvalidSetupError)
-    tp = require_positive_int(tp_size, "DistributedSetup.build: tp_size", InvalidSetupError)
-    if tp > 1 and not entry.supports_tensor_parallel:
-        combining = [name for name in strategy_names() if strategy_entry(name).supports_tensor_parallel]
-        raise InvalidSetupError(
-            f"DistributedSetup.build: strategy={entry.name!r} does not combine with tensor parallel, so "
-            f"tp_size must be 1 (got tp_size={tp}); use strategy={combining[0]!r} with tp_size={tp}"
-        )
-    if world % tp != 0:
-        raise InvalidSetupError(f"DistributedSetup.build: world_size={world} is not divisible by tp_size={tp}")
-    return world, tp
-
-
 @dataclass(frozen=True)
 class DistributedSetup:
-    """How to parallelize: the strategy, the world it runs on, and its tensor-parallel degree.
+    """How to parallelize: the strategy, the world it runs on, and the degree of each parallelism.
 
     Build it with :meth:`build`, which validates every argument before any collective runs.
     """
 
     strategy: str
     world_size: int
-    tp_size: int
+    degrees: ParallelDegrees
     options: Any
     _mesh_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
-    def build(cls, strategy: str, world_size: int, tp_size: int = 1, **options: Any) -> DistributedSetup:
+    def build(
+        cls,
+        strategy: str,
+        world_size: int,
+        tp_size: int = 1,
+        cp_size: int = 1,
+        pp_size: int = 1,
+        ep_size: int = 1,
+        dp_replicate_size: int = 1,
+        **options: Any,
+    ) -> DistributedSetup:
         """Validate and freeze a setup. Raises :class:`InvalidSetupError` naming the bad argument.
 
+        The data-parallel shard degree is derived: ``world_size / (pp · dp_replicate · cp · tp)``.
         ``tp_size == world_size`` means pure tensor parallel (no FSDP on the size-1 dp axis).
         Whether the strategy can run here (CUDA, optional packages) is checked when a model is
         sharded with it, not here: a setup may describe a job for another machine.
@@ -77,8 +74,10 @@ class DistributedSetup:
             entry = strategy_entry(strategy)
         except InvalidSetupError as error:
             raise InvalidSetupError(f"DistributedSetup.build: {error}") from None
-        world, tp = _check_sizes(entry, world_size, tp_size)
-        return cls(entry.name, world, tp, _build_options(entry, options))
+        given = {"tp_size": tp_size, "cp_size": cp_size, "pp_size": pp_size, "ep_size": ep_size}
+        given["dp_replicate_size"] = dp_replicate_size
+        degrees = derive_degrees(world_size, given, entry.degrees, entry.name)
+        return cls(entry.name, degrees.world_size, degrees, _build_options(entry, options))
 
     # -- derived facts ------------------------------------------------------------------------
     @property
@@ -87,14 +86,20 @@ class DistributedSetup:
         return strategy_entry(self.strategy)
 
     @property
+    def tp_size(self) -> int:
+        return self.degrees.tp
+
+    @property
     def dp_size(self) -> int:
-        """Data-parallel degree: how many model replicas (or FSDP shards) there are."""
-        return self.world_size // self.tp_size
+        """Data-parallel degree: model replicas × FSDP shards; data loaders deal rows over it."""
+        return self.degrees.dp
 
     @property
     def parameter_shards(self) -> int:
-        """Into how many pieces each parameter is split: over every rank under FSDP, else over tp."""
-        return self.world_size if self.entry.shards_parameters else self.tp_size
+        """Into how many pieces each parameter is split: over dp_shard × cp × tp under FSDP (replicas
+        hold the same pieces), else over tp."""
+        degrees = self.degrees
+        return degrees.dp_shard * degrees.cp * degrees.tp if self.entry.shards_parameters else degrees.tp
 
     @property
     def uses_tensor_parallel(self) -> bool:
@@ -107,11 +112,11 @@ class DistributedSetup:
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        return (self.dp_size, self.tp_size) if self.entry.supports_tensor_parallel else (self.world_size,)
+        return self.degrees.mesh_layout(self.entry.kept_mesh_dims)[0]
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        return self.entry.mesh_dim_names()
+        return self.degrees.mesh_layout(self.entry.kept_mesh_dims)[1]
 
     def describe(self) -> str:
         """One readable line per fact, for logs, the CLI and the load plan."""
@@ -119,13 +124,37 @@ class DistributedSetup:
         lines = [f"strategy {self.strategy} on {self.world_size} rank(s), mesh ({mesh})"]
         if not self.entry.shards_parameters:
             lines.append(f"every rank holds the whole model; gradients all-reduced over dp={self.dp_size}")
+        elif self.uses_fsdp and self.degrees.dp_replicate > 1:
+            lines.append(
+                f"parameters sharded over dp_shard={self.degrees.dp_shard} inside each of "
+                f"dp_replicate={self.degrees.dp_replicate} replicas (HSDP: reduce-scatter inside a replica, "
+                f"all-reduce across replicas) ({self.options})"
+            )
         elif self.uses_fsdp:
             lines.append(f"parameters sharded over dp={self.dp_size} ({self.options})")
         else:
             lines.append("no FSDP: the dp axis has size 1")
-        if self.uses_tensor_parallel:
-            lines.append(f"tensor parallel over tp={self.tp_size}")
+        lines += self.degrees.describe_usage()[1:]
         return "\n".join(lines)
+
+    def check_buildable(self) -> None:
+        """Refuse, before any work, the degrees a model cannot be loaded with yet (each has its issue)."""
+        unbuilt = {"cp_size": self.degrees.cp, "pp_size": self.degrees.pp, "ep_size": self.degrees.ep}
+        given = [f"{name}={size}" for name, size in unbuilt.items() if size > 1]
+        if given:
+            raise UnsupportedSetupError(
+                f"{', '.join(given)}: context, pipeline and expert parallel are planned but not built yet; "
+                "plan() describes such a job, loading needs them at 1"
+            )
+
+    def dp_rank(self) -> int:
+        """This rank's place among the data-parallel ranks (0 … dp_size - 1): where data loaders,
+        train_step, evaluate and the SFT recipe take their share."""
+        return self.device_mesh()["dp"].get_local_rank() if self.dp_size > 1 else 0
+
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel process group (losses and token counts are summed there), or None."""
+        return self.device_mesh()["dp"].get_group() if self.dp_size > 1 else None
 
     # -- the mesh, made on first use ----------------------------------------------------------
     def device_mesh(self) -> DeviceMesh:
@@ -149,5 +178,7 @@ class DistributedSetup:
         if self._mesh_cache.get("group") is not world:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
             mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
+            if "dp_replicate" in self.mesh_dim_names:
+                mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torch's (torchtitan's) way to join dims
             self._mesh_cache.update(group=world, mesh=mesh)
         return self._mesh_cache["mesh"]

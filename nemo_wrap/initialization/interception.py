@@ -14,13 +14,15 @@ that
   (it gets its source's values afterwards), or carries transformers' ``_is_hf_initialized`` flag,
 - otherwise write the fill through :mod:`tiled_random` / :mod:`deterministic`.
 
-The redirecting wrappers are installed the first time a session becomes active — never at import
-— once per function, under a lock, and then stay: a wrapper asks the ContextVar for this context's
-session and, when there is none (outside a session, or in another thread), calls the function it
-wraps, unchanged. Nothing is swapped back and forth per session, so two threads initializing at
-once can neither see each other's session nor unwind each other's patches. Installation is
-re-checked at each activation because transformers' own ``guard_torch_init_functions`` and
-``no_init_weights`` set torch's functions back to what they saved when they exit.
+The redirecting wrappers are installed only while some session is active — never at import, never
+for the life of the process: the first session to become active installs them (once per function,
+under a lock) and the last one to end restores the functions they wrapped, as transformers' own
+``guard_torch_init_functions`` restores in a ``finally``. In between, a wrapper asks the ContextVar
+for this context's session and, when there is none (another thread), calls the function it wraps,
+unchanged; so two threads initializing at once neither see each other's session nor unwind each
+other's wrappers. Installation is re-checked at each activation because transformers'
+``guard_torch_init_functions`` and ``no_init_weights`` set torch's functions back to what they
+saved when they exit.
 """
 
 from __future__ import annotations
@@ -89,13 +91,13 @@ class InitSession:
     @contextmanager
     def active(self) -> Iterator[InitSession]:
         """Make this the active session of this context (thread, task), under ``no_grad``."""
-        install_redirections()
-        token = _ACTIVE.set(self)
-        try:
-            with torch.no_grad():
-                yield self
-        finally:
-            _ACTIVE.reset(token)
+        with _redirections_installed():
+            token = _ACTIVE.set(self)
+            try:
+                with torch.no_grad():
+                    yield self
+            finally:
+                _ACTIVE.reset(token)
 
     def qualname_of(self, module: nn.Module) -> str:
         """``module``'s qualified name under the root ("" for the root or a detached module)."""
@@ -200,6 +202,8 @@ _HANDLERS: dict[str, Callable[..., torch.Tensor]] = {
 
 _REDIRECT_MARK = "_nemo_wrap_redirects"
 _INSTALL_LOCK = threading.Lock()
+_WRAPPED: list[tuple[object, str, Callable[..., Any]]] = []  # (namespace, name, the function wrapped)
+_SESSIONS_USING = [0]  # active sessions across threads: the last one to end restores the functions
 
 
 def _redirect(function: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -219,13 +223,34 @@ def _redirect(function: str, original: Callable[..., Any]) -> Callable[..., Any]
     return redirected
 
 
-def install_redirections() -> None:
-    """Wrap every init entry point that is not wrapped yet; idempotent and safe across threads."""
+@contextmanager
+def _redirections_installed() -> Iterator[None]:
+    """Wrappers in place while any session is active; the functions they wrap restored after the last."""
     with _INSTALL_LOCK:
-        for namespace, name in _entry_points():
-            current = getattr(namespace, name)
-            if not getattr(current, _REDIRECT_MARK, False):
-                setattr(namespace, name, _redirect(name, current))
+        _install_unlocked()
+        _SESSIONS_USING[0] += 1
+    try:
+        yield
+    finally:
+        with _INSTALL_LOCK:
+            _SESSIONS_USING[0] -= 1
+            if _SESSIONS_USING[0] == 0:
+                _restore_unlocked()
+
+
+def _install_unlocked() -> None:
+    for namespace, name in _entry_points():
+        current = getattr(namespace, name)
+        if not getattr(current, _REDIRECT_MARK, False):
+            setattr(namespace, name, _redirect(name, current))
+            _WRAPPED.append((namespace, name, current))
+
+
+def _restore_unlocked() -> None:
+    for namespace, name, original in reversed(_WRAPPED):
+        if getattr(getattr(namespace, name), _REDIRECT_MARK, False):
+            setattr(namespace, name, original)
+    _WRAPPED.clear()
 
 
 def _entry_points() -> Iterator[tuple[object, str]]:

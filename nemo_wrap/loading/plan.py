@@ -54,6 +54,7 @@ class LoadPlan:
     key_mapping: str = "transformers' keys as they are"
     adapters: str | None = None  # None: no LoRA; "new": initialized; "file": read from an adapter directory
     precision: PrecisionPlan | None = None  # None: a plan made without one (tests of the step logic)
+    parallelism: str | None = None  # the setup's degrees and mesh, as DistributedSetup.describe() says
 
     @property
     def init_device(self) -> str:
@@ -116,6 +117,8 @@ class LoadPlan:
             lines.append(f"  LoRA adapters: {how}; only they are trainable")
         if self.strategy is not None:
             lines.append(f"  sharding: {self.shard_reason}")
+        if self.parallelism is not None:
+            lines += [f"  parallelism: {line}" for line in self.parallelism.splitlines()]
         if self.precision is not None:
             lines.append(f"  precision: {self.precision}")
         return "\n".join(lines)
@@ -133,6 +136,7 @@ def make_load_plan(
     adapters: str | None = None,
     precision: PrecisionPlan | None = None,
     compile_layers: bool = False,
+    parallelism: str | None = None,
 ) -> LoadPlan:
     """The one place loading is decided. Pure: no I/O, no process group; strategy facts come from
     the strategy registry (static data).
@@ -140,7 +144,9 @@ def make_load_plan(
     ``compile_layers`` compiles each decoder layer once the model is complete (sharded, read).
     """
     _check_compile(compile_layers, tp_size)
-    shard_first = strategy is not None and strategy_entry(strategy).shards_on_meta
+    # tensor parallel always shards the meta model (each rank reads only its slices), whatever
+    # the strategy that replicates or shards the result over dp needs on its own
+    shard_first = strategy is not None and (strategy_entry(strategy).shards_on_meta or tp_size > 1)
     steps = [Step.BUILD_ON_META]
     if adapters is not None:  # before sharding, so the adapters are sharded with their layers
         steps.append(Step.ADD_ADAPTERS)
@@ -165,6 +171,7 @@ def make_load_plan(
         key_mapping,
         adapters,
         precision,
+        parallelism,
     )
 
 

@@ -73,7 +73,7 @@ def run_sft(
         model_path, distributed_setup=setup, peft_config=config.lora, precision=config.precision, compile=config.compile
     )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr)
-    dp_rank = setup.device_mesh().get_local_rank("dp") if setup.dp_size > 1 else 0
+    dp_rank = setup.dp_rank()
     batches = DataParallelBatches(
         train_rows, config.micro_batch_size, config.seed, dp_rank, setup.dp_size, config.accumulation
     )

@@ -37,9 +37,7 @@ class StepResult:
 def data_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The data-parallel process group of a model sharded by nemo_wrap, or None (one replica)."""
     setup = getattr(model, "nemo_distributed_setup", None)
-    if setup is None or setup.dp_size == 1:
-        return None
-    return setup.device_mesh().get_group("dp")
+    return None if setup is None else setup.dp_group()
 
 
 def _labels_of(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -3,7 +3,9 @@
 Per-layer groups bound the all-gathered working set to one layer; the root group owns the
 embedding and the lm_head together, so a tied embedding ↔ lm_head stays one sharded parameter.
 It works on meta-device models, so each rank allocates only its own shards, and it composes with
-tensor parallel: on a ``(dp, tp)`` mesh it shards the tensor-parallel DTensors over ``dp``.
+tensor parallel: on a ``(dp, tp)`` mesh it shards the tensor-parallel DTensors over ``dp``. With
+``dp_replicate > 1`` it is HSDP: ``fully_shard`` on the 2-D ``(dp_replicate, dp_shard)`` mesh
+reduce-scatters gradients inside a replica and all-reduces them across replicas.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ class FSDP2Options:
 
 
 def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, options: FSDP2Options) -> nn.Module:
-    """Shard parameters over the mesh's ``dp`` axis; a size-1 axis (pure tensor parallel) is left alone."""
-    dp_mesh = mesh["dp"]
+    """Shard parameters over the mesh's data-parallel dims — ``dp``, or ``(dp_replicate, dp_shard)``
+    for HSDP; a size-1 axis (pure tensor parallel) is left alone."""
+    names = mesh.mesh_dim_names or ()
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if "dp_replicate" in names else mesh["dp"]
     if dp_mesh.size() == 1:
         return model
     mixed_precision = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype)
@@ -76,7 +80,8 @@ FSDP2 = register_strategy(
         options_class=FSDP2Options,
         shards_on_meta=True,
         shards_parameters=True,
-        supports_tensor_parallel=True,
+        degrees=("tp", "dp_replicate", "cp", "pp", "ep"),
+        kept_mesh_dims=("dp", "tp"),
         apply=apply_fsdp2,
         check_available=always_available,
         mixed_precision_options=with_mixed_precision,

@@ -68,7 +68,6 @@ MEGATRON_FSDP = register_strategy(
         options_class=MegatronFSDPOptions,
         shards_on_meta=False,
         shards_parameters=True,
-        supports_tensor_parallel=False,
         apply=apply_megatron_fsdp,
         check_available=check_megatron_fsdp_available,
     )

@@ -29,7 +29,10 @@ class StrategyEntry:
       allocates and reads only its own shards) or needs real full weights first.
     - ``shards_parameters``: whether parameters are split over the data-parallel axis (FSDP) or
       every rank holds them whole (DDP).
-    - ``supports_tensor_parallel``: whether it composes with ``tp_size > 1`` (2-D mesh ``dp, tp``).
+    - ``degrees``: the parallel degrees it takes besides its data-parallel one, in
+      :data:`~nemo_wrap.distributed.degrees.DEGREE_ARGUMENTS`' names (``"tp"``, ``"dp_replicate"``,
+      ``"cp"``, ``"pp"``, ``"ep"``); ``DistributedSetup.build`` refuses any other above 1.
+    - ``kept_mesh_dims``: mesh dimensions it keeps at size 1 (the rest of size 1 are dropped).
     - ``apply(model, mesh, options)``: shard over the setup's mesh after any tensor parallelism;
       returns the model (or, for wrappers, the wrapper).
     - ``check_available()``: raises :class:`StrategyUnavailableError` where it cannot run. Called
@@ -43,13 +46,15 @@ class StrategyEntry:
     options_class: type
     shards_on_meta: bool
     shards_parameters: bool
-    supports_tensor_parallel: bool
     apply: Callable[[nn.Module, DeviceMesh, Any], nn.Module]
     check_available: Callable[[], None]
+    degrees: tuple[str, ...] = ()
+    kept_mesh_dims: tuple[str, ...] = ("dp",)
     mixed_precision_options: Callable[[Any, torch.dtype, torch.dtype], Any] | None = None
 
-    def mesh_dim_names(self) -> tuple[str, ...]:
-        return ("dp", "tp") if self.supports_tensor_parallel else ("dp",)
+    @property
+    def supports_tensor_parallel(self) -> bool:
+        return "tp" in self.degrees
 
 
 _REGISTRY: dict[str, StrategyEntry] = {}
@@ -60,7 +65,10 @@ def always_available() -> None:
 
 
 def register_strategy(entry: StrategyEntry) -> StrategyEntry:
-    """Make ``entry`` available under ``entry.name`` (replacing an entry of that name)."""
+    """Make ``entry`` available under ``entry.name``; a name already taken raises (replacing a
+    strategy in silence would change what every setup of that name means)."""
+    if entry.name in _REGISTRY:
+        raise InvalidSetupError(f"register_strategy: a strategy named {entry.name!r} is already registered")
     _REGISTRY[entry.name] = entry
     return entry
 

@@ -1,0 +1,122 @@
+"""Parallelism as degrees on one device mesh, in the names NeMo Automodel's users know.
+
+A job of ``world_size`` ranks is split by degrees: pipeline stages (``pp``), data-parallel
+replicas (``dp_replicate``) and shards (``dp_shard``), context-parallel ranks (``cp``) and
+tensor-parallel ranks (``tp``), so ``world = pp · dp_replicate · dp_shard · cp · tp``; the shard
+degree is what is left. Expert parallel (``ep``) is carved from the ranks that shard the dense
+weights (``dp_shard · cp · tp``), as transformers' ``efsdp`` is, and adds no mesh dimension.
+
+The mesh's dimensions come in that fixed order. A size-1 dimension is dropped unless the strategy
+keeps it (fsdp2 keeps ``dp`` and ``tp``, so a plain fsdp2 mesh stays ``(dp, tp)``); with
+``dp_replicate > 1`` the data-parallel dimension is split into ``dp_replicate`` × ``dp_shard``, and
+``dp`` is their flattening (where data is dealt and losses are averaged).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.validation import require_positive_int
+
+# The keyword of DistributedSetup.build for each degree a strategy may take.
+DEGREE_ARGUMENTS = {
+    "tp": "tp_size",
+    "cp": "cp_size",
+    "pp": "pp_size",
+    "ep": "ep_size",
+    "dp_replicate": "dp_replicate_size",
+}
+
+
+@dataclass(frozen=True)
+class ParallelDegrees:
+    """How many ways each kind of parallelism splits the world (1: not used)."""
+
+    dp_shard: int
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    ep: int = 1
+    dp_replicate: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: replicas × shards (data is dealt over these ranks, not over cp)."""
+        return self.dp_replicate * self.dp_shard
+
+    def mesh_layout(self, kept: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The mesh's shape and dimension names, size-1 dimensions dropped unless in ``kept``."""
+        dims: list[tuple[str, int]] = [("pp", self.pp)]
+        if self.dp_replicate > 1:
+            dims += [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)]
+        else:
+            dims.append(("dp", self.dp_shard))
+        dims += [("cp", self.cp), ("tp", self.tp)]
+        chosen = [(name, size) for name, size in dims if size > 1 or name in kept or name.startswith("dp")]
+        return tuple(size for _, size in chosen), tuple(name for name, _ in chosen)
+
+    def describe_usage(self) -> list[str]:
+        """Which mesh dimensions each parallelism in use runs on."""
+        data = "dp_replicate × dp_shard" if self.dp_replicate > 1 else "dp"
+        lines = [f"data: dealt over dp={self.dp} ({data}); losses averaged there"]
+        if self.tp > 1:
+            lines.append(f"tensor parallel over tp={self.tp}")
+        if self.cp > 1:
+            lines.append(f"context parallel over cp={self.cp} (sequences split; FSDP shards over dp_shard × cp)")
+        if self.pp > 1:
+            lines.append(f"pipeline parallel over pp={self.pp} stages")
+        if self.ep > 1:
+            per = self.dp_shard * self.cp * self.tp // self.ep
+            lines.append(
+                f"expert parallel over ep={self.ep} of the dp_shard × cp × tp ranks; experts sharded over {per}"
+            )
+        return lines
+
+
+def derive_degrees(
+    world_size: object, given: Mapping[str, object], accepted: tuple[str, ...], strategy: str
+) -> ParallelDegrees:
+    """Validate the degrees ``given`` (keyword names as in :data:`DEGREE_ARGUMENTS`) for a strategy
+    that takes ``accepted``, and derive the shard degree. Raises :class:`InvalidSetupError` naming
+    the argument, and the value that would work where there is one."""
+    world = require_positive_int(world_size, "DistributedSetup.build: world_size", InvalidSetupError)
+    sizes = {
+        degree: require_positive_int(given[argument], f"DistributedSetup.build: {argument}", InvalidSetupError)
+        for degree, argument in DEGREE_ARGUMENTS.items()
+    }
+    for degree, size in sizes.items():
+        if size > 1 and degree not in accepted:
+            raise InvalidSetupError(_not_taken(strategy, degree, size, accepted))
+    fixed = sizes["pp"] * sizes["dp_replicate"] * sizes["cp"] * sizes["tp"]
+    if world % fixed != 0:
+        parts = [f"{DEGREE_ARGUMENTS[d]}={sizes[d]}" for d in ("pp", "dp_replicate", "cp", "tp") if sizes[d] > 1]
+        product = " · ".join(parts) + (f" (= {fixed})" if len(parts) > 1 else "")
+        raise InvalidSetupError(
+            f"DistributedSetup.build: world_size={world} is not divisible by {product}; the data-parallel "
+            f"shard degree is world_size over that product, so world_size must be a multiple of {fixed}"
+        )
+    degrees = ParallelDegrees(world // fixed, sizes["tp"], sizes["cp"], sizes["pp"], sizes["ep"], sizes["dp_replicate"])
+    expert_ranks = degrees.dp_shard * degrees.cp * degrees.tp
+    if expert_ranks % degrees.ep != 0:
+        working = [n for n in range(1, expert_ranks + 1) if expert_ranks % n == 0]
+        raise InvalidSetupError(
+            f"DistributedSetup.build: ep_size={degrees.ep} does not divide the {expert_ranks} ranks that shard "
+            f"the dense weights (dp_shard · cp · tp); choose ep_size from {working}"
+        )
+    return degrees
+
+
+def _not_taken(strategy: str, degree: str, size: int, accepted: tuple[str, ...]) -> str:
+    argument = DEGREE_ARGUMENTS[degree]
+    taken = ", ".join(DEGREE_ARGUMENTS[d] for d in accepted) or "none"
+    hint = f"; tp_size={size} with strategy='fsdp2'" if degree == "tp" else ""
+    return (
+        f"DistributedSetup.build: strategy={strategy!r} does not take {argument}, so {argument} must be 1 "
+        f"(got {argument}={size}); it takes: {taken}{hint}"
+    )
