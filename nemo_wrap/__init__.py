@@ -32,6 +32,7 @@ from nemo_wrap.errors import (
     UnexpectedKeysError,
     UnsafeCheckpointError,
     UnsupportedModelError,
+    UnsupportedSetupError,
 )
 
 __version__ = "0.1.0"
@@ -42,6 +43,7 @@ _LAZY = {
     "MODEL_ARCH_MAPPING": "nemo_wrap.models.registry",
     "ModelSpec": "nemo_wrap.models.spec",
     "register_architecture": "nemo_wrap.models.registry",
+    "LoadOptions": "nemo_wrap.loading.options",
     "LoadPlan": "nemo_wrap.loading.plan",
     "LoadReport": "nemo_wrap.loading.provenance",
     "save_checkpoint": "nemo_wrap.checkpoint",
@@ -63,6 +65,7 @@ __all__ = [
     "DistributedSetup",
     "DistributedStateError",
     "InvalidSetupError",
+    "LoadOptions",
     "LoadPlan",
     "LoadReport",
     "LoadVerificationError",
@@ -79,6 +82,7 @@ __all__ = [
     "UnexpectedKeysError",
     "UnsafeCheckpointError",
     "UnsupportedModelError",
+    "UnsupportedSetupError",
     "destroy_distributed",
     "initialize_distributed",
     "load_checkpoint",

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from nemo_wrap.distributed import PRECISIONS, DistributedSetup, destroy_distributed, initialize_distributed
 from nemo_wrap.distributed.strategies import strategy_names
@@ -25,6 +25,7 @@ from nemo_wrap.errors import InvalidSetupError, NeMoWrapError, TokenizerNotFound
 from nemo_wrap.validation import require_positive_int
 
 if TYPE_CHECKING:
+    from nemo_wrap.loading.options import LoadOptions
     from nemo_wrap.loading.provenance import LoadReport
 
 _COMMANDS = ("finetune", "plan", "report")
@@ -207,7 +208,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     world_size = args.nproc or _launched_world_size() or 1
     setup = _setup(args, world_size)
-    print(NeMoAutoModelForCausalLM.plan(_model_path(args), distributed_setup=setup, precision=args.precision))
+    print(NeMoAutoModelForCausalLM.plan(_model_path(args), distributed_setup=setup, options=_load_options(args)))
     return 0
 
 
@@ -219,7 +220,7 @@ def _run_report(args: argparse.Namespace) -> int:
     try:
         setup = _setup(args, env.world_size)
         model = NeMoAutoModelForCausalLM.from_pretrained(
-            path, distributed_setup=setup, verify=True, precision=args.precision
+            path, distributed_setup=setup, options=_load_options(args, verify=True)
         )
         if env.is_main_process:
             print(model.load_report)
@@ -254,8 +255,8 @@ def _run_sft(args: argparse.Namespace) -> int:
             eval_every=args.eval_every, steps=args.steps, epochs=args.epochs, micro_batch_size=args.batch_size,
             accumulation=args.accumulation, lr=args.lr, warmup_steps=args.warmup_steps,
             lr_schedule=args.lr_schedule, max_grad_norm=args.max_grad_norm, seed=args.seed, log_dir=args.log_dir,
-            save_every=args.save_every, resume=args.resume, lora=lora, precision=args.precision,
-            compile=args.compile,
+            save_every=args.save_every, resume=args.resume,
+            load=_load_options(args, peft_config=lora, compile=args.compile),
         )  # fmt: skip
         records = run_sft(path, setup, config, tokenizer, say)
         losses = [r["loss"] for r in records if "loss" in r]
@@ -280,14 +281,13 @@ def _run_finetune(args: argparse.Namespace) -> int:
     try:
         setup = _setup(args, env.world_size)
         say = print if env.is_main_process else (lambda *_: None)
-        say(NeMoAutoModelForCausalLM.plan(path, setup, precision=args.precision, compile=args.compile))
+        options = _load_options(args, compile=args.compile)
+        say(NeMoAutoModelForCausalLM.plan(path, setup, options=options))
         # Tokenizer and data first: every rank fails on them alike, before the load's collectives.
         tokenizer = _tokenizer(path)
         data = Path(args.data) if args.data else bundled_corpus()
         windows = read_token_windows(data, tokenizer, args.seq_len)
-        model = NeMoAutoModelForCausalLM.from_pretrained(
-            path, distributed_setup=setup, precision=args.precision, compile=args.compile
-        )
+        model = NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup, options=options)
         say(cast("LoadReport", model.load_report).summary())
         dp_rank = setup.dp_rank()
         batches = iterate_batches(windows, args.batch_size, args.seed, dp_rank, setup.dp_size)
@@ -317,6 +317,13 @@ def _run_finetune(args: argparse.Namespace) -> int:
 
 
 _RUNNERS = {"finetune": _run_finetune, "plan": _run_plan, "report": _run_report}
+
+
+def _load_options(args: argparse.Namespace, **options: Any) -> LoadOptions:
+    """The load request of the command line: ``--precision`` plus what the command adds."""
+    from nemo_wrap.loading.options import LoadOptions
+
+    return LoadOptions(precision=args.precision, **options)
 
 
 def _setup(args: argparse.Namespace, world_size: int) -> DistributedSetup:

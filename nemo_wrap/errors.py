@@ -27,6 +27,10 @@ class InvalidSetupError(NeMoWrapError, ValueError):
     """A ``DistributedSetup`` argument is invalid (unknown strategy, bad sizes, unknown option)."""
 
 
+class DuplicateRegistrationError(NeMoWrapError, ValueError):
+    """A strategy or architecture is registered under a name that is already taken."""
+
+
 class UnsupportedSetupError(NeMoWrapError, NotImplementedError):
     """A valid setup whose parallelism a load cannot run yet (context, pipeline, expert parallel)."""
 

@@ -83,11 +83,18 @@ def test_cli_plan_prints_every_degree(capsys):
     assert "dp_replicate_size=2 · tp_size=2" in capsys.readouterr().err
 
 
-def test_a_strategy_name_cannot_be_registered_twice():
+def test_registries_refuse_a_name_already_taken():
+    from nemo_wrap import MODEL_ARCH_MAPPING, register_architecture
     from nemo_wrap.distributed.strategies import register_strategy, strategy_entry
+    from nemo_wrap.errors import DuplicateRegistrationError
 
-    with pytest.raises(InvalidSetupError, match="'fsdp2' is already registered"):
+    with pytest.raises(DuplicateRegistrationError, match="'fsdp2' is already registered"):
         register_strategy(strategy_entry("fsdp2"))
+    ours = next(spec for spec in MODEL_ARCH_MAPPING if "LlamaForCausalLM" in spec.architectures and spec.is_custom)
+    before = list(MODEL_ARCH_MAPPING)
+    with pytest.raises(DuplicateRegistrationError, match="LlamaForCausalLM is already served"):
+        register_architecture(ours)
+    assert MODEL_ARCH_MAPPING == before
 
 
 # -- 4 gloo ranks ---------------------------------------------------------------------------
@@ -164,3 +171,49 @@ def test_lora_under_hsdp_over_tensor_parallel(ranks4, tmp_path):
         for name, tensor in expected["loaded"].items():
             assert torch.equal(result["loaded"][name], tensor), name
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+# -- the other guarantees on the new layouts: resume, activation checkpointing, precision ----------
+def _optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+
+
+def case_guarantees(checkpoint: str, resume_dir: str, layout: str) -> dict:
+    from nemo_wrap import load_checkpoint, save_checkpoint
+
+    strategy, tp, replicate = LAYOUTS[layout]
+    setup = DistributedSetup.build(strategy, 4, tp_size=tp, dp_replicate_size=replicate)
+
+    def load(**options):
+        return NeMoAutoModelForCausalLM.from_pretrained(checkpoint, distributed_setup=setup, **options)
+
+    def batch(step):
+        return _local_micro_batches(step, setup.dp_rank(), setup.dp_size, 1)
+
+    model, result = load(), {}
+    optimizer = _optimizer(model)
+    steps = [train_step(model, optimizer, batch(step)).loss for step in range(2)]
+    save_checkpoint(resume_dir, model, optimizer, step=2)
+    steps.append(train_step(model, optimizer, batch(2)).loss)
+    resumed = load()
+    resumed_optimizer = _optimizer(resumed)
+    result["resumed_step"] = load_checkpoint(resume_dir, resumed, resumed_optimizer)
+    result["losses"], result["after_resume"] = steps, train_step(resumed, resumed_optimizer, batch(2)).loss
+    checkpointed = load()
+    checkpointed.gradient_checkpointing_enable()
+    result["checkpointed"] = [train_step(checkpointed, _optimizer(checkpointed), batch(0)).loss]
+    mixed = load(precision="bf16-mixed")
+    result["bf16_mixed"] = [train_step(mixed, _optimizer(mixed), batch(step)).loss for step in range(3)]
+    return result
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_activation_checkpointing_and_precision_hold_on_each_layout(ranks4, tmp_path, layout):
+    checkpoint = write_checkpoint(tmp_path / "ckpt", "own-llama", "distinct", tie=True)
+    expected = _reference(checkpoint, lora=False)["losses"]
+    for result in ranks4.run(case_guarantees, str(checkpoint), str(tmp_path / "resume"), layout, timeout=180):
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected), rtol=1e-5, atol=0)
+        assert result["resumed_step"] == 2
+        assert result["after_resume"] == pytest.approx(result["losses"][2], rel=1e-6)  # resumed = uninterrupted
+        assert result["checkpointed"][0] == result["losses"][0]  # recomputed layers, the same loss bit for bit
+        torch.testing.assert_close(torch.tensor(result["bf16_mixed"]), torch.tensor(expected), rtol=2e-2, atol=0)

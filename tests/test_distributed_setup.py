@@ -171,7 +171,7 @@ def test_a_registered_strategy_is_validated_described_and_planned_from_its_entry
         DistributedSetup.build("toy_replicate", 4, tp_size=2)
     with pytest.raises(InvalidSetupError, match="reshard_after_forward"):
         DistributedSetup.build("toy_replicate", 4, reshard_after_forward=True)
-    steps = make_load_plan("Model", False, "why", "toy_replicate", 4, 1, True).steps
+    steps = make_load_plan("Model", False, "why", setup, True).steps
     assert steps.index(Step.SHARD) > steps.index(Step.READ_CHECKPOINT)  # needs real weights first
 
 
@@ -189,7 +189,7 @@ def case_registered_strategy_shards_and_matches_one_process():
         registry._REGISTRY.pop("toy_replicate")
     reference = NeMoAutoModelForCausalLM.from_config(tiny_config("llama"), seed=4)
     same = all(torch.equal(t, reference.state_dict()[n]) for n, t in model.state_dict().items())
-    return applied[0][0], model.nemo_distributed_setup.strategy, same
+    return applied[0][0], model.nemo_state.setup.strategy, same
 
 
 def test_a_registered_strategy_shards_models_on_two_ranks(ranks2):

@@ -6,10 +6,12 @@ import itertools
 import shutil
 
 import pytest
+from peft import LoraConfig
 
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import Step, make_load_plan
 from tests.checkpoints import write_checkpoint
 from tests.tiny_models import tiny_config
@@ -21,13 +23,14 @@ def _all_plans():
     for is_custom, strategy, world, tp, has_checkpoint, adapters, compile_layers in itertools.product(
         (True, False), STRATEGIES, (1, 2, 4, 8), (1, 2, 4), (True, False), (None, "new", "file"), (False, True)
     ):
-        if world % tp or (strategy in (None, "ddp", "megatron_fsdp") and tp > 1) or (strategy is None and world > 1):
+        if world % tp or (strategy in (None, "megatron_fsdp") and tp > 1) or (strategy is None and world > 1):
             continue
         if (adapters == "file" and not has_checkpoint) or (compile_layers and tp > 1):
             continue
+        setup = None if strategy is None else DistributedSetup.build(strategy, world, tp_size=tp)
+        lora = {None: {}, "new": {"peft_config": LoraConfig()}, "file": {"adapter": "adapter/"}}[adapters]
         yield make_load_plan(
-            "Model", is_custom, "why", strategy, world, tp, has_checkpoint, adapters=adapters,
-            compile_layers=compile_layers,
+            "Model", is_custom, "why", setup, has_checkpoint, LoadOptions(compile=compile_layers, **lora),
         )  # fmt: skip
 
 
@@ -35,14 +38,14 @@ PLANS = list(_all_plans())
 
 
 def test_cross_product_is_large():
-    # custom × (checkpoint × 3 adapter kinds + no checkpoint × 2) × (none, ddp, megatron, fsdp2 setups),
-    # each setup also compiled unless it uses tensor parallel (13 of the 18 do not)
-    assert len(PLANS) == 2 * (3 + 2) * ((1 + 4 + 4 + 9) + 13)
+    # custom × (checkpoint × 3 adapter kinds + no checkpoint × 2) × (none, ddp, megatron, fsdp2 setups;
+    # ddp and fsdp2 with tensor parallel), each setup also compiled unless it uses tensor parallel (13 of 23)
+    assert len(PLANS) == 2 * (3 + 2) * ((1 + 9 + 4 + 9) + 13)
 
 
 def test_compiling_with_tensor_parallel_is_refused():
     with pytest.raises(InvalidSetupError, match=r"compile=True with tp_size=2"):
-        make_load_plan("Model", True, "why", "fsdp2", 4, 2, True, compile_layers=True)
+        make_load_plan("Model", True, "why", DistributedSetup.build("fsdp2", 4, 2), True, LoadOptions(compile=True))
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.strategy}-w{p.world_size}-tp{p.tp_size}-{'ckpt' if p.has_checkpoint else 'none'}-{'custom' if p.is_custom else 'hf'}-lora-{p.adapters}-{'compiled' if Step.COMPILE_LAYERS in p.steps else 'eager'}")
@@ -63,13 +66,18 @@ def test_every_plan_reads_the_checkpoint_exactly_once_after_its_storage_exists(p
     if plan.strategy == "fsdp2":  # shards on meta: each rank allocates and reads only its shard
         assert steps.index(Step.SHARD) < steps.index(Step.MATERIALIZE)
         assert "only the slices of its own shards" in plan.read_scope or not plan.has_checkpoint
-    elif plan.strategy in ("ddp", "megatron_fsdp"):  # the field's defect: these must still read
+    elif plan.strategy in ("ddp", "megatron_fsdp") and plan.tp_size == 1:  # the field's defect: these must still read
         assert steps.index(Step.SHARD) > steps.index(Step.INITIALIZE_REST)
         assert "full tensors" in plan.read_scope or not plan.has_checkpoint
+    elif plan.strategy == "ddp":  # DDP × TP: tensor parallel shards the meta model, replicas read their slices
+        assert steps.index(Step.SHARD) < steps.index(Step.MATERIALIZE)
+        assert "only the slices of its own shards" in plan.read_scope or not plan.has_checkpoint
 
 
 def test_plan_prints_as_a_short_explanation():
-    plan = make_load_plan("NeMoLlamaForCausalLM", True, "LlamaForCausalLM is in MODEL_ARCH_MAPPING", "ddp", 2, 1, True)
+    plan = make_load_plan(
+        "NeMoLlamaForCausalLM", True, "LlamaForCausalLM is in MODEL_ARCH_MAPPING", DistributedSetup.build("ddp", 2), True
+    )
     text = str(plan)
     assert text.splitlines()[0].startswith("load plan: NeMoLlamaForCausalLM (custom: LlamaForCausalLM is in MODEL_ARCH_MAPPING), ddp on 2 rank(s)")
     assert "weights arrive with the build: no" in text

@@ -24,7 +24,7 @@ def case_model_stays_the_model(kind: str, strategy: str, tp_size: int):
         is_nemo=isinstance(model, NeMoPreTrainedModel),
         can_generate=isinstance(model, GenerationMixin) and callable(model.save_pretrained),
         config_type=type(model.config).__name__,
-        setup_recorded=model.nemo_distributed_setup == setup,
+        setup_recorded=model.nemo_state.setup == setup,
     )
 
 

@@ -7,8 +7,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from peft import LoraConfig
@@ -28,6 +29,7 @@ from nemo_wrap.errors import (
     InvalidSetupError,
     UnsupportedModelError,
 )
+from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import LoadPlan, make_load_plan
 from nemo_wrap.loading.read import checkpoint_shapes
 from nemo_wrap.models.lora import lora_settings
@@ -54,25 +56,29 @@ class NeMoAutoModelForCausalLM:
         precision: Precision | None = None,
         dtype: torch.dtype | str | None = None,
         compile: bool = False,
+        options: LoadOptions | None = None,
     ) -> LoadPlan:
         """The load plan for a checkpoint directory (or a config: no checkpoint), reading no weights.
 
         Raises what ``from_pretrained`` / ``from_config`` would raise before reading weights (a
         config that cannot be built, tensor parallel the model cannot take, checkpoint keys that
-        cannot be mapped), with the same error. Only the checkpoint's headers are read.
+        cannot be mapped), with the same error. Only the checkpoint's headers are read. ``options``
+        is the typed form of the keywords (:class:`LoadOptions`), for a request built elsewhere.
         """
+        given = LoadOptions(
+            force_hf=force_hf, allow_pickle=allow_pickle, precision=precision, dtype=dtype, compile=compile
+        )
+        options = _one_of(options, given)
         checkpoint: Checkpoint | None = None
         if isinstance(path_or_config, PretrainedConfig):
             config = path_or_config
         else:
-            config, checkpoint = _open(path_or_config, allow_pickle, {}, RankGroup.local())
+            config, checkpoint = _open(path_or_config, options, RankGroup.local())
         keys = None if checkpoint is None else list(checkpoint_shapes(checkpoint))
-        source = resolve_model_source(config, force_hf)
+        source = resolve_model_source(config, options.force_hf)
         check_loadable(source, config, distributed_setup, keys)  # the load's own refusals
-        parameters = _parameter_dtype(dtype, precision, config, checkpoint)
-        return _make_plan(
-            source, config, distributed_setup, checkpoint is not None, (precision, parameters), None, compile
-        )
+        parameters = _parameter_dtype(options, config, checkpoint)
+        return _make_plan(source, config, distributed_setup, checkpoint is not None, options, parameters)
 
     @classmethod
     def model_class(cls, config: PretrainedConfig, force_hf: bool = False) -> type[PreTrainedModel]:
@@ -94,6 +100,7 @@ class NeMoAutoModelForCausalLM:
         adapter: str | Path | None = None,
         precision: Precision | None = None,
         compile: bool = False,
+        options: LoadOptions | None = None,
         **config_overrides: Any,
     ) -> PreTrainedModel:
         """Load ``path`` (a checkpoint directory or hub id) sharded as ``distributed_setup`` says.
@@ -109,20 +116,21 @@ class NeMoAutoModelForCausalLM:
         ``adapter`` (a PEFT adapter directory) loads an existing one, trainable. ``precision``
         (``"fp32"``, ``"bf16"``, ``"bf16-mixed"``) sets the parameters' dtype and how compute and
         gradient reduction are cast (see :mod:`nemo_wrap.distributed.precision`). ``compile``
-        compiles each decoder layer with ``torch.compile`` (not with tensor parallel). The result
-        carries ``model.load_report``.
+        compiles each decoder layer with ``torch.compile`` (not with tensor parallel). Other
+        keywords override config attributes. ``options`` is the same request as one typed object
+        (:class:`LoadOptions`), instead of the keywords. The result carries ``model.load_report``.
         """
-        group = RankGroup.of(sharded=distributed_setup is not None)
-        config, checkpoint = group.on_every_rank(
-            "opening the checkpoint", lambda: _open(path, allow_pickle, config_overrides, group)
+        given = LoadOptions(
+            dtype, strict, verify, force_hf, allow_pickle, seed, peft_config, adapter, precision, compile
         )
-        lora = group.on_every_rank("opening the adapter", lambda: _lora_request(peft_config, adapter))
-        source = resolve_model_source(config, force_hf=force_hf)
-        parameters = _parameter_dtype(dtype, precision, config, checkpoint)
-        plan = _make_plan(source, config, distributed_setup, True, (precision, parameters), lora, compile)
-        pipeline = LoadPipeline(plan, source, config, parameters, distributed_setup, seed, checkpoint, strict, verify)
-        pipeline.lora = lora
-        return pipeline.run()
+        options = _one_of(options, dataclasses.replace(given, config_overrides=tuple(config_overrides.items())))
+        group = RankGroup.of(sharded=distributed_setup is not None)
+        config, checkpoint = group.on_every_rank("opening the checkpoint", lambda: _open(path, options, group))
+        lora = group.on_every_rank("opening the adapter", lambda: _lora_request(options))
+        source = resolve_model_source(config, force_hf=options.force_hf)
+        parameters = _parameter_dtype(options, config, checkpoint)
+        plan = _make_plan(source, config, distributed_setup, True, options, parameters)
+        return LoadPipeline(plan, source, config, parameters, distributed_setup, options, checkpoint, lora).run()
 
     @classmethod
     def from_config(
@@ -134,18 +142,30 @@ class NeMoAutoModelForCausalLM:
         force_hf: bool = False,
         precision: Precision | None = None,
         compile: bool = False,
+        options: LoadOptions | None = None,
     ) -> PreTrainedModel:
         """A freshly initialized model, sharded as ``distributed_setup`` says (one process if ``None``).
 
         ``seed`` fixes the init (default: rank 0's ``torch.initial_seed()``, shared with all ranks);
         the full weights are the same for every strategy and world size. ``dtype=None`` (or
-        ``"auto"``) means the config's dtype, float32 when it names none; ``precision`` and
-        ``compile`` as in :meth:`from_pretrained`.
+        ``"auto"``) means the config's dtype, float32 when it names none; ``precision``,
+        ``compile`` and ``options`` as in :meth:`from_pretrained`.
         """
-        source = resolve_model_source(config, force_hf=force_hf)
-        parameters = _parameter_dtype(dtype, precision, config, None)
-        plan = _make_plan(source, config, distributed_setup, False, (precision, parameters), None, compile)
-        return LoadPipeline(plan, source, config, parameters, distributed_setup, seed).run()
+        given = LoadOptions(seed=seed, dtype=dtype, force_hf=force_hf, precision=precision, compile=compile)
+        options = _one_of(options, given)
+        source = resolve_model_source(config, force_hf=options.force_hf)
+        parameters = _parameter_dtype(options, config, None)
+        plan = _make_plan(source, config, distributed_setup, False, options, parameters)
+        return LoadPipeline(plan, source, config, parameters, distributed_setup, options).run()
+
+
+def _one_of(options: LoadOptions | None, keywords: LoadOptions) -> LoadOptions:
+    """``options`` when given (then the keywords must be left at their defaults), else the keywords'."""
+    if options is None:
+        return keywords
+    if keywords != LoadOptions():
+        raise InvalidSetupError("pass the load's options either as keywords or as options=LoadOptions(...), not both")
+    return options
 
 
 def _make_plan(
@@ -153,47 +173,34 @@ def _make_plan(
     config: PretrainedConfig,
     setup: DistributedSetup | None,
     has_checkpoint: bool,
-    precision: tuple[Precision | None, torch.dtype],
-    lora: LoraRequest | None = None,
-    compile_layers: bool = False,
+    options: LoadOptions,
+    parameters: torch.dtype,
 ) -> LoadPlan:
-    """The plan; ``precision`` is the ``precision=`` argument and the parameters' resolved dtype."""
+    """The plan; ``parameters`` is the parameters' resolved dtype."""
     strategy = None if setup is None else setup.strategy
     dp_size = 1 if setup is None else setup.dp_size
-    return make_load_plan(
-        model_class=source.model_class.__name__,
-        is_custom=source.is_custom,
-        source_reason=source.reason,
-        strategy=strategy,
-        world_size=1 if setup is None else setup.world_size,
-        tp_size=1 if setup is None else setup.tp_size,
-        has_checkpoint=has_checkpoint,
-        key_mapping=source.spec.key_mapping(source.architecture, config.model_type),
-        adapters=None if lora is None else lora.plan_kind,
-        precision=precision_plan(*precision, strategy, dp_size, None if setup is None else setup.options),
-        compile_layers=compile_layers,
-        parallelism=None if setup is None else setup.describe(),
+    precision = precision_plan(
+        options.precision, parameters, strategy, dp_size, None if setup is None else setup.options
     )
+    key_mapping = source.spec.key_mapping(source.architecture, config.model_type)
+    return make_load_plan(source.model_class.__name__, source.is_custom, source.reason, setup, has_checkpoint, options,
+                          key_mapping, precision)  # fmt: skip
 
 
-def _lora_request(peft_config: LoraConfig | None, adapter: str | Path | None) -> LoraRequest | None:
-    """New adapters from ``peft_config``, or the adapter directory ``adapter``; never both."""
-    if peft_config is None and adapter is None:
-        return None
-    if peft_config is not None and adapter is not None:
-        raise InvalidSetupError("from_pretrained: pass peft_config (new adapters) or adapter (a directory), not both")
-    if adapter is not None:
-        config, adapter_file = open_adapter(adapter)
+def _lora_request(options: LoadOptions) -> LoraRequest | None:
+    """New adapters from ``peft_config``, or the adapter directory ``adapter`` (never both: see LoadOptions)."""
+    if options.adapter is not None:
+        config, adapter_file = open_adapter(options.adapter)
         return LoraRequest(config, adapter_file)
-    lora_settings(peft_config)  # refuses what it does not implement, before anything is built
-    return LoraRequest(cast(LoraConfig, peft_config))
+    if options.peft_config is None:
+        return None
+    lora_settings(options.peft_config)  # refuses what it does not implement, before anything is built
+    return LoraRequest(options.peft_config)
 
 
-def _open(
-    path: str | Path, allow_pickle: bool, overrides: dict[str, Any], group: RankGroup
-) -> tuple[PretrainedConfig, Checkpoint]:
+def _open(path: str | Path, options: LoadOptions, group: RankGroup) -> tuple[PretrainedConfig, Checkpoint]:
     directory = resolve_checkpoint_directory(path, group)
-    return _load_config(directory, overrides), open_checkpoint(directory, allow_pickle=allow_pickle)
+    return _load_config(directory, options.overrides), open_checkpoint(directory, allow_pickle=options.allow_pickle)
 
 
 def _load_config(directory: Path, overrides: dict[str, Any]) -> PretrainedConfig:
@@ -220,15 +227,11 @@ def _load_config(directory: Path, overrides: dict[str, Any]) -> PretrainedConfig
     return config
 
 
-def _parameter_dtype(
-    dtype: torch.dtype | str | None,
-    precision: Precision | None,
-    config: PretrainedConfig,
-    checkpoint: Checkpoint | None,
-) -> torch.dtype:
+def _parameter_dtype(options: LoadOptions, config: PretrainedConfig, checkpoint: Checkpoint | None) -> torch.dtype:
     """The parameters' dtype: ``precision``'s (an explicit ``dtype`` must agree), else ``dtype``'s."""
+    dtype = options.dtype
     explicit = None if dtype is None or dtype == "auto" else _resolve_dtype(dtype, config, checkpoint)
-    return parameter_dtype(precision, explicit) or _resolve_dtype(dtype, config, checkpoint)
+    return parameter_dtype(options.precision, explicit) or _resolve_dtype(dtype, config, checkpoint)
 
 
 def _resolve_dtype(

@@ -44,9 +44,10 @@ class LoraRequest:
 
 def add_adapters(
     model: PreTrainedModel, source: ModelSource, request: LoraRequest, base_name: str
-) -> dict[str, ParallelStyle]:
+) -> tuple[LoraConfig, dict[str, ParallelStyle]]:
     """Attach the adapters ``request`` asks for (on meta, before sharding) and freeze the base;
-    return the tensor-parallel plan entries of the adapters (their gradients summed over tp).
+    return their config as PEFT saves it (``"all-linear"`` spelt out) and the tensor-parallel plan
+    entries of the adapters (their gradients summed over tp).
 
     Our fused classes are matched through their state-dict adapter (which rows are which
     transformers projection); transformers' own classes by their module names as they are.
@@ -56,8 +57,7 @@ def add_adapters(
     tensor_parallel_entries = add_lora(model, targets, lora_settings(request.config))
     resolved.base_model_name_or_path = resolved.base_model_name_or_path or base_name
     resolved.inference_mode = False
-    model.lora_config = resolved  # type: ignore[assignment]  # read by save_pretrained (ShardedModelMixin)
-    return tensor_parallel_entries
+    return resolved, tensor_parallel_entries
 
 
 def expose_projections_to_peft(model: PreTrainedModel, source: ModelSource) -> None:

@@ -8,6 +8,9 @@ and live here rather than in the init mixin (which knows nothing of files or ran
   transformers' keys (through the spec's adapter) and transformers' architecture name;
 - ``generate`` keeps ranks in lockstep when the forward holds collectives;
 - ``load_report`` carries the audit of the load, and ``model_spec`` the architecture's spec.
+
+What the load learnt about the model lives in one typed attribute, ``nemo_state``
+(:class:`~nemo_wrap.distributed.model_state.ModelState`), set by the load pipeline.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from nemo_wrap.checkpoint.peft_adapter import save_peft_adapter
 from nemo_wrap.checkpoint.save import DEFAULT_MAX_SHARD_SIZE, gather_full, save_hf_checkpoint
 from nemo_wrap.distributed.collectives import RankGroup
+from nemo_wrap.distributed.model_state import ModelState, setup_of
 from nemo_wrap.errors import UnsupportedSaveOptionError
 from nemo_wrap.loading.provenance import LoadReport
 from nemo_wrap.models.lora import is_lora_parameter, peft_key
@@ -41,8 +45,16 @@ class ShardedModelMixin:
 
     model_spec: ClassVar[ModelSpec]
     hf_architecture: ClassVar[str]
-    load_report: LoadReport | None = None  # set by from_pretrained / from_config
-    lora_config: LoraConfig | None = None  # set when the model carries LoRA adapters
+    nemo_state: ModelState  # filled in by the load pipeline, step by step
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.nemo_state = ModelState()
+
+    @property
+    def load_report(self) -> LoadReport | None:
+        """Where every parameter and buffer came from (the audit of ``from_pretrained``/``from_config``)."""
+        return self.nemo_state.load_report
 
     def state_dict_adapter(self) -> StateDictAdapter:
         """Between this model's parameter names and transformers' checkpoint keys."""
@@ -83,7 +95,7 @@ class ShardedModelMixin:
         group = RankGroup.of(sharded=_is_sharded(self))
         if not group.collective and not is_main_process:
             return
-        if getattr(self, "lora_config", None) is not None:
+        if self.nemo_state.lora_config is not None:
             save = {"max_shard_size": max_shard_size, "tokenizer": tokenizer}
             self._save_adapter(save_directory, group, merge_adapters, **save)
             return
@@ -105,7 +117,7 @@ class ShardedModelMixin:
         lora = {name: t for name, t in distinct.items() if is_lora_parameter(name)}
         if not merge_adapters:
             adapter_tensors = {peft_key(name): t for name, t in lora.items()}
-            save_peft_adapter(adapter_tensors, cast(LoraConfig, self.lora_config), save_directory, group)
+            save_peft_adapter(adapter_tensors, cast(LoraConfig, self.nemo_state.lora_config), save_directory, group)
             return
         full = {name: gather_full(t) for name, t in lora.items()}  # every rank, in the same order
         merging = MergedWeightsAdapter(self.state_dict_adapter(), self, full)  # type: ignore[arg-type]
@@ -121,13 +133,13 @@ class ShardedModelMixin:
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' ``generate``, kept in lockstep across ranks when sharding needs it.
 
-        A model sharded by nemo_wrap across ranks (``nemo_distributed_setup``) runs collectives in
+        A model sharded by nemo_wrap across ranks (``nemo_state.setup``) runs collectives in
         every forward (FSDP all-gathers, tensor-parallel reductions, DDP buffer syncs), so a rank
         that meets its EOS early must keep stepping until every rank is done, or the others hang.
         transformers turns ``synced_gpus`` on only for its own FSDP; here it defaults to on for
         ours. An explicit ``synced_gpus=`` argument wins.
         """
-        setup = getattr(self, "nemo_distributed_setup", None)
+        setup = self.nemo_state.setup
         if setup is not None and setup.world_size > 1:
             kwargs.setdefault("synced_gpus", True)
         return super().generate(*args, **kwargs)  # type: ignore[misc]
@@ -149,7 +161,7 @@ def no_cache_while_training(
 
 def _is_sharded(model: object) -> bool:
     """Sharded by nemo_wrap, or holding DTensors (parallelized by the caller): saving is collective."""
-    if getattr(model, "nemo_distributed_setup", None) is not None:
+    if setup_of(model) is not None:
         return True
     parameters = model.parameters() if isinstance(model, nn.Module) else ()
     return any(isinstance(parameter, DTensor) for parameter in parameters)

@@ -41,6 +41,7 @@ from nemo_wrap.errors import (
     UnsupportedModelError,
     summarize,
 )
+from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import LoadPlan, Step
 from nemo_wrap.loading.provenance import Initialized, LoadReport, Provenance, Tied
 from nemo_wrap.loading.read import checkpoint_shapes, matches_any, read_into_model
@@ -68,17 +69,15 @@ class LoadPipeline:
     config: PretrainedConfig
     dtype: torch.dtype
     setup: DistributedSetup | None
-    seed: int | None
+    options: LoadOptions
     checkpoint: Checkpoint | None = None
-    strict: bool = True
-    verify: bool = False
+    lora: LoraRequest | None = None
     model: Any = None
     provenance: dict[str, Provenance] = field(default_factory=dict)
     used_keys: set[str] = field(default_factory=set)
     bytes_read: int = 0
     tp_plan: TensorParallelPlan | None = None
     adapter: StateDictAdapter | None = None  # built once by the read, reused by verify
-    lora: LoraRequest | None = None
     unused_adapter_keys: tuple[str, ...] = ()
 
     @property
@@ -124,13 +123,15 @@ class LoadPipeline:
     def add_adapters(self) -> None:
         assert self.lora is not None  # the plan adds adapters only when LoRA was asked for
         base_name = str(self.checkpoint.directory) if self.checkpoint is not None else ""
-        entries = add_adapters(self.model, self.source, self.lora, base_name)
+        self.model.nemo_state.lora_config, entries = add_adapters(self.model, self.source, self.lora, base_name)
         if self.tp_plan is not None:  # the adapters are sharded with the plan, so they join it
             self.tp_plan = {**self.tp_plan, **entries}
 
     def shard(self) -> None:
         assert self.setup is not None  # the plan has a shard step only with a setup
+        state = self.model.nemo_state
         self.model = shard_model(self.model, self.setup, self.tp_plan, self.plan.precision)
+        state.setup = self.setup
 
     def compile_layers(self) -> None:
         for layer in decoder_layers(self.model):
@@ -165,7 +166,7 @@ class LoadPipeline:
 
     def initialize_rest(self) -> None:
         loaded = {name for name, p in self.provenance.items() if p.kind in ("checkpoint", "tied")}
-        self.model.initialize_weights(loaded_names=loaded, seed=agree_on_seed(self.seed, self.setup))
+        self.model.initialize_weights(loaded_names=loaded, seed=agree_on_seed(self.options.seed, self.setup))
         rule = f"{type(self.model).__mro__[0].__name__}._init_weights (seeded, shard-aware)"
         allowed_missing = getattr(self.model, "_keys_to_ignore_on_load_missing", None)
         distinct, tied = checkpoint_tensors(self.model)
@@ -177,7 +178,7 @@ class LoadPipeline:
             current = self.provenance.get(name)
             if current is None:
                 self.provenance[name] = Initialized(rule, "no checkpoint given")
-            elif current.kind == "missing" and not self.strict:
+            elif current.kind == "missing" and not self.options.strict:
                 self.provenance[name] = Initialized(rule, "absent from the checkpoint, allowed by strict=False")
             elif current.kind == "missing" and matches_any(name, allowed_missing):
                 why = "absent from the checkpoint, allowed by the class's _keys_to_ignore_on_load_missing"
@@ -185,8 +186,8 @@ class LoadPipeline:
 
     def audit(self) -> None:
         report = LoadReport(self.plan, self.provenance, self._unexpected_keys(), self.bytes_read)
-        self.model.load_report = report
-        if self.verify and self.checkpoint is not None and self.adapter is not None:
+        self.model.nemo_state.load_report = report
+        if self.options.verify and self.checkpoint is not None and self.adapter is not None:
             distinct, _ = checkpoint_tensors(self.model)
             base = {name: t for name, t in distinct.items() if not is_lora_parameter(name)}
             verify_load(base, self.provenance, self.adapter, self.checkpoint, self.group)
@@ -213,12 +214,17 @@ class LoadPipeline:
                 f"{where}: {len(missing)} parameter(s) are neither in the checkpoint nor "
                 f"tied or allowed to be initialized (pass strict=False to initialize them): {summarize(missing)}"
             )
-        if report.unexpected_keys and self.strict:
+        if report.unexpected_keys and self.options.strict:
             raise UnexpectedKeysError(
                 f"{where}: {len(report.unexpected_keys)} checkpoint tensor(s) fill no parameter of "
                 f"{self.plan.model_class} (pass strict=False to ignore them): {summarize(report.unexpected_keys)}"
             )
-        if self.unused_adapter_keys and self.strict and self.lora is not None and self.lora.adapter_file is not None:
+        if (
+            self.unused_adapter_keys
+            and self.options.strict
+            and self.lora is not None
+            and self.lora.adapter_file is not None
+        ):
             raise AdapterMismatchError(
                 f"{self.lora.adapter_file.directory}: {len(self.unused_adapter_keys)} adapter tensor(s) adapt nothing "
                 f"in {self.plan.model_class} (pass strict=False to ignore them): {summarize(self.unused_adapter_keys)}"

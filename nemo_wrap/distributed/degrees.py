@@ -62,9 +62,8 @@ class ParallelDegrees:
         return tuple(size for _, size in chosen), tuple(name for name, _ in chosen)
 
     def describe_usage(self) -> list[str]:
-        """Which mesh dimensions each parallelism in use runs on."""
-        data = "dp_replicate × dp_shard" if self.dp_replicate > 1 else "dp"
-        lines = [f"data: dealt over dp={self.dp} ({data}); losses averaged there"]
+        """Which mesh dimensions each model parallelism in use runs on (data parallel aside)."""
+        lines = []
         if self.tp > 1:
             lines.append(f"tensor parallel over tp={self.tp}")
         if self.cp > 1:

@@ -118,24 +118,31 @@ class DistributedSetup:
     def mesh_dim_names(self) -> tuple[str, ...]:
         return self.degrees.mesh_layout(self.entry.kept_mesh_dims)[1]
 
+    def mesh_summary(self) -> str:
+        """The mesh's named dims and sizes, e.g. ``dp_replicate=2, dp_shard=4, tp=2``."""
+        return ", ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape, strict=True))
+
     def describe(self) -> str:
         """One readable line per fact, for logs, the CLI and the load plan."""
-        mesh = ", ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape, strict=True))
-        lines = [f"strategy {self.strategy} on {self.world_size} rank(s), mesh ({mesh})"]
+        lines = [f"strategy {self.strategy} on {self.world_size} rank(s), mesh ({self.mesh_summary()})"]
         if not self.entry.shards_parameters:
             lines.append(f"every rank holds the whole model; gradients all-reduced over dp={self.dp_size}")
-        elif self.uses_fsdp and self.degrees.dp_replicate > 1:
-            lines.append(
-                f"parameters sharded over dp_shard={self.degrees.dp_shard} inside each of "
-                f"dp_replicate={self.degrees.dp_replicate} replicas (HSDP: reduce-scatter inside a replica, "
-                f"all-reduce across replicas) ({self.options})"
-            )
-        elif self.uses_fsdp:
+        elif self.uses_fsdp and self.degrees.dp_replicate == 1:
             lines.append(f"parameters sharded over dp={self.dp_size} ({self.options})")
-        else:
+        elif not self.uses_fsdp:
             lines.append("no FSDP: the dp axis has size 1")
-        lines += self.degrees.describe_usage()[1:]
-        return "\n".join(lines)
+        return "\n".join(lines + self.describe_degrees())
+
+    def describe_degrees(self) -> list[str]:
+        """What each degree beyond plain data parallel does, and on which mesh dims (none: [])."""
+        lines = []
+        if self.uses_fsdp and self.degrees.dp_replicate > 1:
+            lines.append(
+                f"HSDP: parameters sharded over dp_shard={self.degrees.dp_shard} inside each of "
+                f"dp_replicate={self.degrees.dp_replicate} replicas (reduce-scatter inside a replica, "
+                f"all-reduce across replicas; {self.options})"
+            )
+        return lines + self.degrees.describe_usage()
 
     def check_buildable(self) -> None:
         """Refuse, before any work, the degrees a model cannot be loaded with yet (each has its issue)."""

@@ -27,17 +27,15 @@ def shard_model(
 ) -> nn.Module:
     """Apply ``setup`` to ``model`` and return it (or the strategy's wrapper around it).
 
-    The setup is recorded on the model as ``nemo_distributed_setup``: the training step reads its
-    data-parallel group from there, and ``generate`` knows that its forward holds collectives.
-    The caller checks ``setup.entry.check_available()`` first, before any work that would be lost
-    (the load pipeline does so before it builds anything). ``precision`` puts its mixed precision
+    The caller (the load pipeline) records the setup in the model's
+    :class:`~nemo_wrap.distributed.model_state.ModelState`, and checks
+    ``setup.entry.check_available()`` first, before any work that would be lost (the load pipeline
+    does so before it builds anything). ``precision`` puts its mixed precision
     into the strategy's options where the strategy casts parameters itself (FSDP2).
     """
     entry = setup.entry
     mesh = setup.device_mesh()
     if setup.uses_tensor_parallel:
         apply_tensor_parallel(model, mesh["tp"], tp_plan)
-    # ``nn.Module.__setattr__`` is annotated for tensors and modules only; plain attributes work at runtime.
-    model.nemo_distributed_setup = setup  # type: ignore[assignment]
     options = setup.options if precision is None else strategy_options(precision, setup.strategy, setup.options)
     return entry.apply(model, mesh, options)

@@ -20,14 +20,34 @@ to pick a class. ``ShardedModelMixin.save_pretrained`` (:mod:`nemo_wrap.auto`) w
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable, Mapping
 
 from transformers import PreTrainedModel
 
 from nemo_wrap.errors import NotATransformersModelError
 from nemo_wrap.initialization.mixin import NeMoPreTrainedModel
 
-_WRAPPED: dict[type, type] = {}
+_DERIVED: dict[tuple[type, type, tuple[tuple[str, Hashable], ...]], type] = {}
 _LOCK = threading.Lock()
+
+
+def derived_class(
+    mixin: type, base: type, name: str, qualname: str, doc: str | None, attributes: Mapping[str, Hashable]
+) -> type:
+    """``type(name, (mixin, base), attributes)``, built once per (mixin, base, attributes) and
+    cached: the one factory (and cache) behind every class nemo_wrap derives — the ``NeMo<Name>``
+    wrappers here, and the classes the loader returns (``nemo_wrap.auto.classes``). One class
+    object per key keeps ``isinstance`` and ``type(model) is ...`` working across loads.
+
+    ``__module__`` is the base's (see the module docstring for why).
+    """
+    key = (mixin, base, tuple(sorted(attributes.items())))
+    with _LOCK:
+        derived = _DERIVED.get(key)
+        if derived is None:
+            namespace = {"__module__": base.__module__, "__qualname__": qualname, "__doc__": doc, **attributes}
+            derived = _DERIVED[key] = type(name, (mixin, base), namespace)
+    return derived
 
 
 def nemo_model_class(cls: type[PreTrainedModel]) -> type[PreTrainedModel]:
@@ -40,19 +60,6 @@ def nemo_model_class(cls: type[PreTrainedModel]) -> type[PreTrainedModel]:
         raise NotATransformersModelError(f"cls must be a transformers PreTrainedModel subclass, got {cls!r}")
     if issubclass(cls, NeMoPreTrainedModel):
         return cls
-    with _LOCK:
-        wrapped = _WRAPPED.get(cls)
-        if wrapped is None:
-            name = f"NeMo{cls.__name__}"
-            wrapped = type(
-                name,
-                (NeMoPreTrainedModel, cls),
-                {
-                    "__module__": cls.__module__,
-                    "__qualname__": name,
-                    "__doc__": f"{cls.__name__} with nemo_wrap's seeded, sharding-independent initialization.",
-                    "hf_architecture": cls.__name__,
-                },
-            )
-            _WRAPPED[cls] = wrapped
-    return wrapped
+    doc = f"{cls.__name__} with nemo_wrap's seeded, sharding-independent initialization."
+    name = f"NeMo{cls.__name__}"
+    return derived_class(NeMoPreTrainedModel, cls, name, name, doc, {"hf_architecture": cls.__name__})

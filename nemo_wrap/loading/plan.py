@@ -3,8 +3,8 @@
 The defect this replaces: a "load before shard" branch keyed on "is the model on meta?" whose
 else-branch assumed the weights had come with the build, so models built on a real device under
 DDP and Megatron-FSDP trained from random weights without a word. Here no branch asks the model
-anything. The plan is a function of (model source, strategy, world size, tp size, checkpoint
-present) only, and it is the ordered list of steps the pipeline executes — so "the checkpoint is
+anything. The plan is a function of (model source, distributed setup, checkpoint present, the
+load's options) only, and it is the ordered list of steps the pipeline executes — so "the checkpoint is
 read exactly once, after the storage it lands in exists" is a property of the data, tested over
 the whole cross product.
 
@@ -21,8 +21,11 @@ from dataclasses import dataclass
 from enum import Enum
 
 from nemo_wrap.distributed.precision import PrecisionPlan
-from nemo_wrap.distributed.strategies import strategy_entry
+from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.loading.options import LoadOptions
+
+_DEFAULT_OPTIONS = LoadOptions()
 
 
 class Step(str, Enum):
@@ -54,7 +57,8 @@ class LoadPlan:
     key_mapping: str = "transformers' keys as they are"
     adapters: str | None = None  # None: no LoRA; "new": initialized; "file": read from an adapter directory
     precision: PrecisionPlan | None = None  # None: a plan made without one (tests of the step logic)
-    parallelism: str | None = None  # the setup's degrees and mesh, as DistributedSetup.describe() says
+    mesh: str | None = None  # the setup's mesh, e.g. "dp_replicate=2, dp_shard=2, tp=2"
+    parallelism: tuple[str, ...] = ()  # what each degree beyond plain data parallel does, one line each
 
     @property
     def init_device(self) -> str:
@@ -99,7 +103,7 @@ class LoadPlan:
         where = (
             "one process"
             if self.strategy is None
-            else f"{self.strategy} on {self.world_size} rank(s), tp={self.tp_size}"
+            else f"{self.strategy} on {self.world_size} rank(s), tp={self.tp_size}, mesh ({self.mesh})"
         )
         kind = "custom" if self.is_custom else "transformers"
         arrive = "yes" if self.weights_arrive_with_build else "no"
@@ -117,8 +121,7 @@ class LoadPlan:
             lines.append(f"  LoRA adapters: {how}; only they are trainable")
         if self.strategy is not None:
             lines.append(f"  sharding: {self.shard_reason}")
-        if self.parallelism is not None:
-            lines += [f"  parallelism: {line}" for line in self.parallelism.splitlines()]
+        lines += [f"  parallelism: {line}" for line in self.parallelism]
         if self.precision is not None:
             lines.append(f"  precision: {self.precision}")
         return "\n".join(lines)
@@ -128,50 +131,47 @@ def make_load_plan(
     model_class: str,
     is_custom: bool,
     source_reason: str,
-    strategy: str | None,
-    world_size: int,
-    tp_size: int,
+    setup: DistributedSetup | None,
     has_checkpoint: bool,
+    options: LoadOptions = _DEFAULT_OPTIONS,
     key_mapping: str = "transformers' keys as they are",
-    adapters: str | None = None,
     precision: PrecisionPlan | None = None,
-    compile_layers: bool = False,
-    parallelism: str | None = None,
 ) -> LoadPlan:
     """The one place loading is decided. Pure: no I/O, no process group; strategy facts come from
-    the strategy registry (static data).
-
-    ``compile_layers`` compiles each decoder layer once the model is complete (sharded, read).
+    the strategy registry (static data). ``options`` says whether LoRA adapters are added (new or
+    from a file) and whether each decoder layer is compiled once the model is complete.
     """
-    _check_compile(compile_layers, tp_size)
+    tp_size = 1 if setup is None else setup.tp_size
+    _check_compile(options.compile, tp_size)
     # tensor parallel always shards the meta model (each rank reads only its slices), whatever
     # the strategy that replicates or shards the result over dp needs on its own
-    shard_first = strategy is not None and (strategy_entry(strategy).shards_on_meta or tp_size > 1)
+    shard_first = setup is not None and (setup.entry.shards_on_meta or tp_size > 1)
     steps = [Step.BUILD_ON_META]
-    if adapters is not None:  # before sharding, so the adapters are sharded with their layers
+    if options.adapters is not None:  # before sharding, so the adapters are sharded with their layers
         steps.append(Step.ADD_ADAPTERS)
     steps += [Step.SHARD, Step.MATERIALIZE] if shard_first else [Step.MATERIALIZE]
     if has_checkpoint:
         steps.append(Step.READ_CHECKPOINT)
     steps.append(Step.INITIALIZE_REST)
-    if strategy is not None and not shard_first:
+    if setup is not None and not shard_first:
         steps.append(Step.SHARD)
-    if compile_layers:
+    if options.compile:
         steps.append(Step.COMPILE_LAYERS)
     steps.append(Step.AUDIT)
     return LoadPlan(
         model_class,
         is_custom,
         source_reason,
-        strategy,
-        world_size,
+        None if setup is None else setup.strategy,
+        1 if setup is None else setup.world_size,
         tp_size,
         has_checkpoint,
         tuple(steps),
         key_mapping,
-        adapters,
+        options.adapters,
         precision,
-        parallelism,
+        None if setup is None else setup.mesh_summary(),
+        () if setup is None else tuple(setup.describe_degrees()),
     )
 
 

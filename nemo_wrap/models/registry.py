@@ -16,7 +16,7 @@ import transformers
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from nemo_wrap.errors import UnsupportedModelError
+from nemo_wrap.errors import DuplicateRegistrationError, UnsupportedModelError
 from nemo_wrap.initialization import nemo_model_class
 from nemo_wrap.models import llama, qwen2, qwen3
 from nemo_wrap.models.config_checks import describe_config
@@ -27,9 +27,23 @@ MODEL_ARCH_MAPPING: list[ModelSpec] = [llama.SPEC, qwen2.SPEC, qwen3.SPEC]
 
 
 def register_architecture(spec: ModelSpec) -> None:
-    """Serve ``spec.architectures`` with ``spec`` from now on (ahead of any earlier spec)."""
+    """Serve ``spec.architectures`` with ``spec`` from now on.
+
+    A spec of the same kind (a class of our own, or transformers' class) already serving one of
+    those architectures is not replaced in silence: :class:`DuplicateRegistrationError` names it
+    (remove it from ``MODEL_ARCH_MAPPING`` first to replace it). A transformers-class spec may
+    still give a plan to an architecture that has a class of our own (``force_hf=True`` uses it).
+    """
     if not isinstance(spec, ModelSpec):
         raise UnsupportedModelError(f"register_architecture expects a ModelSpec, got {spec!r}")
+    for architecture in spec.architectures:
+        served = _find_spec(architecture, spec.is_custom)
+        if served is not None:
+            raise DuplicateRegistrationError(
+                f"register_architecture: {architecture} is already served by a spec of model class "
+                f"{served.model_class.__name__ if served.model_class else 'transformers'}; remove that spec from "
+                "MODEL_ARCH_MAPPING first to replace it"
+            )
     MODEL_ARCH_MAPPING.insert(0, spec)
 
 

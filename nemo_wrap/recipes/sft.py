@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig
 
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.checkpoint.resume import load_checkpoint, save_checkpoint
 from nemo_wrap.data import DataParallelBatches, as_rows, load_rows, prepare_examples
 from nemo_wrap.distributed.collectives import RankGroup
-from nemo_wrap.distributed.precision import Precision
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.progress import progress_bar
 from nemo_wrap.recipes.metrics import MetricsLog
 from nemo_wrap.recipes.schedule import learning_rate
@@ -33,7 +32,8 @@ Batch = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class SFTConfig:
-    """One fine-tuning job. ``steps`` wins over ``epochs``; ``lora`` turns it into LoRA SFT."""
+    """One fine-tuning job. ``steps`` wins over ``epochs``; ``load.peft_config`` makes it LoRA SFT
+    (only the adapters train, and the adapter is what is saved)."""
 
     data: str
     output_dir: str
@@ -56,9 +56,7 @@ class SFTConfig:
     log_dir: str | None = None
     save_every: int | None = None
     resume: str | None = None
-    lora: LoraConfig | None = None
-    precision: Precision | None = None  # "fp32" | "bf16" | "bf16-mixed"; None keeps the checkpoint's dtype
-    compile: bool = False  # torch.compile each decoder layer (not with tensor parallel)
+    load: LoadOptions = field(default_factory=LoadOptions)  # peft_config (LoRA SFT), precision, compile, ...
 
 
 def run_sft(
@@ -69,9 +67,7 @@ def run_sft(
         raise InvalidSetupError(f"lr_schedule must be 'constant' or 'cosine', got {config.lr_schedule!r}")
     train_rows = _rows(config.data, config, tokenizer, say)
     eval_rows = _rows(config.eval_data, config, tokenizer, say) if config.eval_data else None
-    model = NeMoAutoModelForCausalLM.from_pretrained(
-        model_path, distributed_setup=setup, peft_config=config.lora, precision=config.precision, compile=config.compile
-    )
+    model = NeMoAutoModelForCausalLM.from_pretrained(model_path, distributed_setup=setup, options=config.load)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr)
     dp_rank = setup.dp_rank()
     batches = DataParallelBatches(

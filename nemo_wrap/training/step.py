@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nemo_wrap.distributed.model_state import setup_of
 from nemo_wrap.training.accumulation import no_gradient_sync
 from nemo_wrap.training.clipping import clip_grad_norm_
 
@@ -36,7 +37,7 @@ class StepResult:
 
 def data_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The data-parallel process group of a model sharded by nemo_wrap, or None (one replica)."""
-    setup = getattr(model, "nemo_distributed_setup", None)
+    setup = setup_of(model)
     return None if setup is None else setup.dp_group()
 
 

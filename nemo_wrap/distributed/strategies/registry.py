@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.errors import DuplicateRegistrationError, InvalidSetupError
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def register_strategy(entry: StrategyEntry) -> StrategyEntry:
     """Make ``entry`` available under ``entry.name``; a name already taken raises (replacing a
     strategy in silence would change what every setup of that name means)."""
     if entry.name in _REGISTRY:
-        raise InvalidSetupError(f"register_strategy: a strategy named {entry.name!r} is already registered")
+        raise DuplicateRegistrationError(f"register_strategy: a strategy named {entry.name!r} is already registered")
     _REGISTRY[entry.name] = entry
     return entry
 

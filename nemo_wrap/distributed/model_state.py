@@ -1,0 +1,42 @@
+"""``ModelState``: what nemo_wrap knows about a model it returned, as one typed attribute.
+
+Every model of the classes ``NeMoAutoModelForCausalLM`` returns has a ``nemo_state``, which the
+load pipeline fills in: the setup it was sharded with (the
+training step finds its data-parallel group there, ``generate`` knows its forward holds
+collectives, ``save_pretrained`` that saving is collective), the audit of its load, and the LoRA
+configuration of the adapters it carries. One declared attribute replaces names attached from
+outside and read back with ``getattr``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from peft import LoraConfig
+
+from nemo_wrap.distributed.setup import DistributedSetup
+
+if TYPE_CHECKING:
+    from nemo_wrap.loading.provenance import LoadReport  # a higher layer: the type only
+
+
+@dataclass
+class ModelState:
+    """Filled in by the load pipeline, step by step; ``None`` where a step did not apply."""
+
+    setup: DistributedSetup | None = None  # None: a process-local model
+    load_report: LoadReport | None = None
+    lora_config: LoraConfig | None = None  # the adapters' config, as PEFT saves it
+
+
+@runtime_checkable
+class HasModelState(Protocol):
+    """A model nemo_wrap built (the classes ``NeMoAutoModelForCausalLM`` returns)."""
+
+    nemo_state: ModelState
+
+
+def setup_of(model: object) -> DistributedSetup | None:
+    """The setup ``model`` was sharded with by nemo_wrap; None for any other model."""
+    return model.nemo_state.setup if isinstance(model, HasModelState) else None
