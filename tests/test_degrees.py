@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
@@ -14,6 +15,7 @@ from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.errors import UnsupportedSetupError
 from nemo_wrap.training import train_step
 from tests.checkpoints import write_checkpoint
+from tests.test_from_pretrained import _local_bytes
 from tests.test_strategy_parity import _local_micro_batches
 from tests.tiny_models import tiny_config
 
@@ -127,7 +129,8 @@ def case_layout(checkpoint: str, output: str, layout: str, lora: bool) -> dict:
         checkpoint, distributed_setup=setup, verify=True, peft_config=peft_config, seed=3
     )
     loaded = {name: _full(tensor) for name, tensor in model.state_dict().items()}
-    result = {"loaded": loaded, "verified": model.load_report.verified}
+    result = {"loaded": loaded, "verified": model.load_report.verified, "bytes_read": model.load_report.bytes_read}
+    result["local_bytes"] = _local_bytes(model)
     result["losses"] = _train(model, setup.dp_rank(), setup.dp_size, steps=3)
     model.save_pretrained(output)  # every rank: consolidated on rank 0
     with torch.no_grad():
@@ -153,7 +156,11 @@ def test_layout_loads_trains_and_saves_as_one_process(ranks4, tmp_path, kind, la
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         saved_logits = reloaded(PROMPT).logits
+    if layout == "hsdp":  # without tp (whose ranks all read what they replicate, the norms), job-wide:
+        total = sum(t.numel() * t.element_size() for t in load_file(checkpoint / "model.safetensors").values())
+        assert sum(result["bytes_read"] for result in results) == 2 * total  # every byte once per replica
     for result in results:
+        assert result["bytes_read"] == result["local_bytes"]  # each rank read its own slices, no more
         assert result["verified"] is True
         assert result["loaded"].keys() == expected["loaded"].keys()
         for name, tensor in expected["loaded"].items():

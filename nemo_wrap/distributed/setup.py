@@ -140,7 +140,8 @@ class DistributedSetup:
             lines.append(
                 f"HSDP: parameters sharded over dp_shard={self.degrees.dp_shard} inside each of "
                 f"dp_replicate={self.degrees.dp_replicate} replicas (reduce-scatter inside a replica, "
-                f"all-reduce across replicas; {self.options})"
+                f"all-reduce across replicas; {self.options}); data dealt over dp = dp_replicate × dp_shard "
+                f"= {self.dp_size}"
             )
         return lines + self.degrees.describe_usage()
 
