@@ -7,7 +7,8 @@ degree is what is left. Expert parallel (``ep``) is carved from the ranks that s
 weights (``dp_shard · cp · tp``), as transformers' ``efsdp`` is, and adds no mesh dimension.
 
 The mesh's dimensions come in that fixed order. A size-1 dimension is dropped unless the strategy
-keeps it (fsdp2 keeps ``dp`` and ``tp``, so a plain fsdp2 mesh stays ``(dp, tp)``); with
+keeps it (fsdp2 keeps ``tp``, so a plain fsdp2 mesh stays ``(dp, tp)``; the data-parallel dims are
+always there); with
 ``dp_replicate > 1`` the data-parallel dimension is split into ``dp_replicate`` × ``dp_shard``, and
 ``dp`` is their flattening (where data is dealt and losses are averaged).
 """
@@ -51,7 +52,8 @@ class ParallelDegrees:
         return self.dp_replicate * self.dp_shard
 
     def mesh_layout(self, kept: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        """The mesh's shape and dimension names, size-1 dimensions dropped unless in ``kept``."""
+        """The mesh's shape and dimension names: the data-parallel dims always, the others when their
+        size is above 1 or they are in ``kept``."""
         dims: list[tuple[str, int]] = [("pp", self.pp)]
         if self.dp_replicate > 1:
             dims += [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)]

@@ -32,7 +32,8 @@ class StrategyEntry:
     - ``degrees``: the parallel degrees it takes besides its data-parallel one, in
       :data:`~nemo_wrap.distributed.degrees.DEGREE_ARGUMENTS`' names (``"tp"``, ``"dp_replicate"``,
       ``"cp"``, ``"pp"``, ``"ep"``); ``DistributedSetup.build`` refuses any other above 1.
-    - ``kept_mesh_dims``: mesh dimensions it keeps at size 1 (the rest of size 1 are dropped).
+    - ``kept_mesh_dims``: mesh dimensions besides the data-parallel ones that it keeps at size 1
+      (the rest of size 1 are dropped).
     - ``apply(model, mesh, options)``: shard over the setup's mesh after any tensor parallelism;
       returns the model (or, for wrappers, the wrapper).
     - ``check_available()``: raises :class:`StrategyUnavailableError` where it cannot run. Called
@@ -49,7 +50,7 @@ class StrategyEntry:
     apply: Callable[[nn.Module, DeviceMesh, Any], nn.Module]
     check_available: Callable[[], None]
     degrees: tuple[str, ...] = ()
-    kept_mesh_dims: tuple[str, ...] = ("dp",)
+    kept_mesh_dims: tuple[str, ...] = ()
     mixed_precision_options: Callable[[Any, torch.dtype, torch.dtype], Any] | None = None
 
     @property
