@@ -37,10 +37,6 @@ class LoraRequest:
     config: LoraConfig
     adapter_file: Checkpoint | None = None
 
-    @property
-    def plan_kind(self) -> str:
-        return "new" if self.adapter_file is None else "file"
-
 
 def add_adapters(
     model: PreTrainedModel, source: ModelSource, request: LoraRequest, base_name: str

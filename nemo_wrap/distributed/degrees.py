@@ -6,11 +6,11 @@ tensor-parallel ranks (``tp``), so ``world = pp · dp_replicate · dp_shard · c
 degree is what is left. Expert parallel (``ep``) is carved from the ranks that shard the dense
 weights (``dp_shard · cp · tp``), as transformers' ``efsdp`` is, and adds no mesh dimension.
 
-The mesh's dimensions come in that fixed order. A size-1 dimension is dropped unless the strategy
-keeps it (fsdp2 keeps ``tp``, so a plain fsdp2 mesh stays ``(dp, tp)``; the data-parallel dims are
-always there); with
-``dp_replicate > 1`` the data-parallel dimension is split into ``dp_replicate`` × ``dp_shard``, and
-``dp`` is their flattening (where data is dealt and losses are averaged).
+The mesh's dimensions come in that fixed order. The data-parallel dims are always there; another
+size-1 dimension is dropped unless the strategy keeps it (fsdp2 keeps ``tp``, so a plain fsdp2 mesh
+stays ``(dp, tp)``). With ``dp_replicate > 1`` the data-parallel dimension is split into
+``dp_replicate`` × ``dp_shard``, and ``dp`` is their flattening (where data is dealt and losses are
+averaged).
 """
 
 from __future__ import annotations

@@ -46,7 +46,6 @@ class DistributedSetup:
     """
 
     strategy: str
-    world_size: int
     degrees: ParallelDegrees
     options: Any
     _mesh_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -77,13 +76,17 @@ class DistributedSetup:
         given = {"tp_size": tp_size, "cp_size": cp_size, "pp_size": pp_size, "ep_size": ep_size}
         given["dp_replicate_size"] = dp_replicate_size
         degrees = derive_degrees(world_size, given, entry.degrees, entry.name)
-        return cls(entry.name, degrees.world_size, degrees, _build_options(entry, options))
+        return cls(entry.name, degrees, _build_options(entry, options))
 
     # -- derived facts ------------------------------------------------------------------------
     @property
     def entry(self) -> StrategyEntry:
         """The strategy's registry entry: every strategy-specific fact comes from it."""
         return strategy_entry(self.strategy)
+
+    @property
+    def world_size(self) -> int:
+        return self.degrees.world_size
 
     @property
     def tp_size(self) -> int:

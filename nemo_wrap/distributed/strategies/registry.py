@@ -53,10 +53,6 @@ class StrategyEntry:
     kept_mesh_dims: tuple[str, ...] = ()
     mixed_precision_options: Callable[[Any, torch.dtype, torch.dtype], Any] | None = None
 
-    @property
-    def supports_tensor_parallel(self) -> bool:
-        return "tp" in self.degrees
-
 
 _REGISTRY: dict[str, StrategyEntry] = {}
 

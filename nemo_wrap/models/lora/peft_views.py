@@ -77,10 +77,6 @@ def add_projection_views(model: nn.Module, fused_parts: dict[str, list[tuple[str
         layer.register_forward_hook(partial(_add_peft_deltas, parent, leaf, tuple(views)))
 
 
-def is_projection_view(module: nn.Module) -> bool:
-    return isinstance(module, ProjectionView)
-
-
 def _add_peft_deltas(
     parent: nn.Module,
     leaf: str,

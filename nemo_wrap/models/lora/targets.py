@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from nemo_wrap.distributed.tensor_parallel import ReplicateWithGradientSum
 from nemo_wrap.errors import LoraTargetError, UnsupportedLoraOptionError, summarize
 from nemo_wrap.models.lora.layers import LoraAdapters, Placement, add_lora_output
-from nemo_wrap.models.lora.peft_views import is_projection_view
+from nemo_wrap.models.lora.peft_views import ProjectionView
 from nemo_wrap.models.lora.settings import LoraSettings
 from nemo_wrap.state_dict import StateDictAdapter
 
@@ -109,7 +109,7 @@ def _linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
     return {
         name: module
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and not is_projection_view(module)
+        if isinstance(module, nn.Linear) and not isinstance(module, ProjectionView)
     }
 
 
@@ -156,7 +156,7 @@ def _refuse_unadaptable(model: PreTrainedModel, config: LoraConfig, linears: dic
     """A target naming a layer that is not ``nn.Linear`` (GPT-2's ``Conv1D``, an embedding) would be
     skipped in silence; PEFT would adapt it. Refuse instead."""
     for name, module in model.named_modules():
-        skipped = name in linears or is_projection_view(module) or list(module.children())
+        skipped = name in linears or isinstance(module, ProjectionView) or list(module.children())
         if name and not skipped and _matches(config, name):
             raise UnsupportedLoraOptionError(
                 f"target_modules matches {name}, a {type(module).__name__}: nemo_wrap adapts nn.Linear layers only"
