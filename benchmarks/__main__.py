@@ -5,7 +5,7 @@ it was measured on; ``RESULTS.md`` is all of them in suite order. ``--only load 
 re-runs some (names below) and keeps the others' latest tables; ``--readme`` also puts
 ``RESULTS.md`` into the README's "Measured performance" section, between its
 ``benchmarks:start`` / ``benchmarks:end`` marks.
-Each benchmark runs its measurements in fresh processes; the whole suite takes about 15 minutes
+Each benchmark runs its measurements in fresh processes; the whole suite takes about 20 minutes
 on a 2-core machine.
 """
 
@@ -28,6 +28,7 @@ from benchmarks import (
     bench_from_pretrained,
     bench_lora_step,
     bench_model_throughput,
+    bench_pipeline,
     bench_precision,
     bench_training_step,
 )
@@ -43,6 +44,7 @@ SUITE: dict[str, Callable[[], Table]] = {
     "precision": bench_precision.table,
     "compile": bench_compile.table,
     "lora_step": bench_lora_step.table,
+    "pipeline": bench_pipeline.table,
 }
 
 

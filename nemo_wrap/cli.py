@@ -33,7 +33,7 @@ _COMMANDS = ("finetune", "plan", "report")
 _OTHER_DEGREES = {
     "dp_replicate_size": "data-parallel replicas (HSDP with fsdp2)",
     "cp_size": "context-parallel degree (described by plan; not loadable yet)",
-    "pp_size": "pipeline-parallel stages (described by plan; not loadable yet)",
+    "pp_size": "pipeline-parallel stages (fsdp2; torch.distributed.pipelining)",
     "ep_size": "expert-parallel degree (described by plan; not loadable yet)",
 }
 DEFAULT_OUTPUT_DIR = "nemo_wrap_output"
@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--tp-size", type=_positive_int, default=1, help="tensor-parallel degree (default 1)")
         for degree, what in _OTHER_DEGREES.items():
             sub.add_argument(f"--{degree.replace('_', '-')}", type=_positive_int, default=1, help=f"{what} (default 1)")
+        sub.add_argument(
+            "--pp-schedule", default="1f1b", help="pipeline schedule with --pp-size > 1: 1f1b | gpipe (default 1f1b)"
+        )
         sub.add_argument(
             "--precision",
             choices=PRECISIONS,
@@ -302,7 +305,9 @@ def _run_finetune(args: argparse.Namespace) -> int:
         with tqdm(range(steps), desc="finetune", unit="step", disable=not env.is_main_process) as bar:
             for _ in bar:
                 started = time.perf_counter()
-                result = train_step(model, optimizer, [next(batches)], max_grad_norm=args.max_grad_norm)
+                result = train_step(
+                    model, optimizer, _micro_batches(next(batches), setup), max_grad_norm=args.max_grad_norm
+                )
                 losses.append(result.loss)
                 tokens_per_s = result.label_tokens / (time.perf_counter() - started)
                 bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
@@ -329,7 +334,22 @@ def _load_options(args: argparse.Namespace, **options: Any) -> LoadOptions:
 def _setup(args: argparse.Namespace, world_size: int) -> DistributedSetup:
     """The setup the command-line degrees describe, on ``world_size`` ranks."""
     degrees = {name: getattr(args, name) for name in _OTHER_DEGREES}
-    return DistributedSetup.build(args.strategy, world_size, tp_size=args.tp_size, **degrees)
+    schedule = args.pp_schedule
+    return DistributedSetup.build(args.strategy, world_size, tp_size=args.tp_size, pp_schedule=schedule, **degrees)
+
+
+def _micro_batches(batch: dict[str, Any], setup: DistributedSetup) -> list[dict[str, Any]]:
+    """The text job's step: one micro-batch, or under pipeline parallel one per stage (split by rows)."""
+    stages = setup.degrees.pp
+    rows = int(batch["input_ids"].shape[0])
+    if stages == 1:
+        return [batch]
+    if rows % stages:
+        raise InvalidSetupError(
+            f"--batch-size {rows} must be a multiple of --pp-size {stages}: one micro-batch per stage"
+        )
+    size = rows // stages
+    return [{key: value[i * size : (i + 1) * size] for key, value in batch.items()} for i in range(stages)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

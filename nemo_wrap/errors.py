@@ -32,7 +32,7 @@ class DuplicateRegistrationError(NeMoWrapError, ValueError):
 
 
 class UnsupportedSetupError(NeMoWrapError, NotImplementedError):
-    """A valid setup whose parallelism a load cannot run yet (context, pipeline, expert parallel)."""
+    """A valid setup whose parallelism a load cannot run yet (context, expert parallel)."""
 
 
 class StrategyUnavailableError(NeMoWrapError, RuntimeError):
@@ -199,3 +199,8 @@ class ChatDataError(NeMoWrapError, ValueError):
 class LaunchError(NeMoWrapError, RuntimeError):
     """A job started with ``nemo_wrap.notebook.launch`` failed on a rank (the message carries that
     rank's traceback), ran past its ``timeout``, or was given an invalid ``nproc``."""
+
+
+class PipelineUsageError(NeMoWrapError, RuntimeError):
+    """A pipelined model was called as a whole model: each rank holds one stage, so a forward, a
+    ``generate`` or a loss needs the schedule (``train_step`` / ``evaluate``)."""

@@ -248,3 +248,22 @@ def test_prompt_completion_sft_with_mapped_columns_on_two_ranks(cache, tmp_path)
     assert "(prompt_completion): 16 examples" in completed.stdout
     assert completed.stdout.count("loss: first step") == 1 and "(3 steps)" in completed.stdout
     _assert_loads_with_plain_transformers(tmp_path / "out")
+
+
+def test_sft_and_the_text_job_under_pipeline_parallel_on_two_ranks(cache, tmp_path):
+    model = _chat_model(cache, tmp_path)
+    data = _chat_file(tmp_path / "chat.jsonl", 16)
+    sft = [sys.executable, "-m", "nemo_wrap.cli", "finetune", str(model), "--nproc", "2", "--pp-size", "2",
+           "--data", str(data), "--pack", "--max-length", "64", "--batch-size", "1", "--accumulation", "2",
+           "--steps", "3", "--lr", "1e-2", "--lora-r", "4", "--output-dir", str(tmp_path / "sft")]
+    text = [sys.executable, "-m", "nemo_wrap.cli", "finetune", str(model), "--nproc", "2", "--pp-size", "2",
+            "--pp-schedule", "gpipe", "--batch-size", "2", "--seq-len", "32", "--steps", "3",
+            "--output-dir", str(tmp_path / "text")]
+    for command in (sft, text):
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        first, last = _losses(completed.stdout)
+        assert last < first and "(3 steps)" in completed.stdout
+    assert "pipeline stage 1: layers" in completed.stdout  # the text job prints its plan
+    assert (tmp_path / "sft" / "adapter_config.json").is_file()
+    _assert_loads_with_plain_transformers(tmp_path / "text")

@@ -10,6 +10,7 @@ from peft import LoraConfig
 
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
+from nemo_wrap.distributed.pipeline import stage_layouts
 from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import Step, make_load_plan
@@ -20,17 +21,18 @@ STRATEGIES = (None, "ddp", "fsdp2", "megatron_fsdp")
 
 
 def _all_plans():
-    for is_custom, strategy, world, tp, has_checkpoint, adapters, compile_layers in itertools.product(
-        (True, False), STRATEGIES, (1, 2, 4, 8), (1, 2, 4), (True, False), (None, "new", "file"), (False, True)
+    for is_custom, strategy, world, tp, pp, has_checkpoint, adapters, compile_layers in itertools.product(
+        (True, False), STRATEGIES, (1, 2, 4, 8), (1, 2, 4), (1, 2), (True, False), (None, "new", "file"), (False, True)
     ):
-        if world % tp or (strategy in (None, "megatron_fsdp") and tp > 1) or (strategy is None and world > 1):
+        if world % (tp * pp) or (strategy in (None, "megatron_fsdp") and tp > 1) or (strategy is None and world > 1):
             continue
-        if (adapters == "file" and not has_checkpoint) or (compile_layers and tp > 1):
+        if (adapters == "file" and not has_checkpoint) or (compile_layers and tp > 1) or (pp > 1 and strategy != "fsdp2"):
             continue
-        setup = None if strategy is None else DistributedSetup.build(strategy, world, tp_size=tp)
+        setup = None if strategy is None else DistributedSetup.build(strategy, world, tp_size=tp, pp_size=pp)
         lora = {None: {}, "new": {"peft_config": LoraConfig()}, "file": {"adapter": "adapter/"}}[adapters]
+        stages = stage_layouts(4, pp, None, tied_embeddings=False) if pp > 1 else ()
         yield make_load_plan(
-            "Model", is_custom, "why", setup, has_checkpoint, LoadOptions(compile=compile_layers, **lora),
+            "Model", is_custom, "why", setup, has_checkpoint, LoadOptions(compile=compile_layers, **lora), stages=stages,
         )  # fmt: skip
 
 
@@ -39,8 +41,9 @@ PLANS = list(_all_plans())
 
 def test_cross_product_is_large():
     # custom × (checkpoint × 3 adapter kinds + no checkpoint × 2) × (none, ddp, megatron, fsdp2 setups;
-    # ddp and fsdp2 with tensor parallel), each setup also compiled unless it uses tensor parallel (13 of 23)
-    assert len(PLANS) == 2 * (3 + 2) * ((1 + 9 + 4 + 9) + 13)
+    # ddp and fsdp2 with tensor parallel), each setup also compiled unless it uses tensor parallel (13 of 23);
+    # plus fsdp2 with pp=2 (6 setups, 3 of them also compiled)
+    assert len(PLANS) == 2 * (3 + 2) * ((1 + 9 + 4 + 9) + 13 + (6 + 3))
 
 
 def test_compiling_with_tensor_parallel_is_refused():
@@ -48,7 +51,7 @@ def test_compiling_with_tensor_parallel_is_refused():
         make_load_plan("Model", True, "why", DistributedSetup.build("fsdp2", 4, 2), True, LoadOptions(compile=True))
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.strategy}-w{p.world_size}-tp{p.tp_size}-{'ckpt' if p.has_checkpoint else 'none'}-{'custom' if p.is_custom else 'hf'}-lora-{p.adapters}-{'compiled' if Step.COMPILE_LAYERS in p.steps else 'eager'}")
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.strategy}-w{p.world_size}-tp{p.tp_size}-pp{len(p.stages) or 1}-{'ckpt' if p.has_checkpoint else 'none'}-{'custom' if p.is_custom else 'hf'}-lora-{p.adapters}-{'compiled' if Step.COMPILE_LAYERS in p.steps else 'eager'}")
 def test_every_plan_reads_the_checkpoint_exactly_once_after_its_storage_exists(plan):
     steps = list(plan.steps)
     assert plan.checkpoint_reads == (1 if plan.has_checkpoint else 0)
@@ -61,8 +64,12 @@ def test_every_plan_reads_the_checkpoint_exactly_once_after_its_storage_exists(p
     assert steps.count(Step.ADD_ADAPTERS) == (plan.adapters is not None)
     if Step.COMPILE_LAYERS in steps:  # compiled once the model is complete: sharded, read, initialized
         assert steps.index(Step.COMPILE_LAYERS) == len(steps) - 2 and plan.tp_size == 1
+    if plan.stages:  # a stage keeps its modules before adapters, sharding and any allocation
+        assert steps.index(Step.KEEP_STAGE) == 1 and len(plan.stages) == 2 and "pipeline stage 1" in str(plan)
+    else:
+        assert Step.KEEP_STAGE not in steps
     if plan.adapters is not None:  # adapters exist before anything is sharded or allocated
-        assert steps.index(Step.ADD_ADAPTERS) == 1 and "LoRA adapters" in str(plan)
+        assert steps.index(Step.ADD_ADAPTERS) == 1 + bool(plan.stages) and "LoRA adapters" in str(plan)
     if plan.strategy == "fsdp2":  # shards on meta: each rank allocates and reads only its shard
         assert steps.index(Step.SHARD) < steps.index(Step.MATERIALIZE)
         assert "only the slices of its own shards" in plan.read_scope or not plan.has_checkpoint

@@ -22,6 +22,7 @@ from nemo_wrap.checkpoint.locate import Checkpoint, open_checkpoint, require_ins
 from nemo_wrap.checkpoint.peft_adapter import open_adapter
 from nemo_wrap.checkpoint.strict_json import read_json_file
 from nemo_wrap.distributed.collectives import RankGroup
+from nemo_wrap.distributed.pipeline import StageLayout, stage_layouts
 from nemo_wrap.distributed.precision import Precision, parameter_dtype, precision_plan
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import (
@@ -184,7 +185,16 @@ def _make_plan(
     )
     key_mapping = source.spec.key_mapping(source.architecture, config.model_type)
     return make_load_plan(source.model_class.__name__, source.is_custom, source.reason, setup, has_checkpoint, options,
-                          key_mapping, precision)  # fmt: skip
+                          key_mapping, precision, _pipeline_stages(config, setup))  # fmt: skip
+
+
+def _pipeline_stages(config: PretrainedConfig, setup: DistributedSetup | None) -> tuple[StageLayout, ...]:
+    """The pipeline stages' layouts (none without pipeline parallel); refuses a split that cannot
+    cover the config's decoder layers, before anything is built."""
+    if setup is None or setup.degrees.pp == 1:
+        return ()
+    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+    return stage_layouts(config.num_hidden_layers, setup.degrees.pp, setup.pipeline.layer_split, tied)
 
 
 def _lora_request(options: LoadOptions) -> LoraRequest | None:

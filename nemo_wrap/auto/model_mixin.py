@@ -24,10 +24,12 @@ from peft import LoraConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from nemo_wrap.checkpoint.gather import gather_full
 from nemo_wrap.checkpoint.peft_adapter import save_peft_adapter
-from nemo_wrap.checkpoint.save import DEFAULT_MAX_SHARD_SIZE, gather_full, save_hf_checkpoint
+from nemo_wrap.checkpoint.save import DEFAULT_MAX_SHARD_SIZE, save_hf_checkpoint
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.distributed.model_state import ModelState, setup_of
+from nemo_wrap.distributed.pipeline.stage_model import held_tied_weights
 from nemo_wrap.errors import UnsupportedSaveOptionError
 from nemo_wrap.loading.provenance import LoadReport
 from nemo_wrap.models.lora import is_lora_parameter, peft_key
@@ -48,13 +50,19 @@ class ShardedModelMixin:
     nemo_state: ModelState  # filled in by the load pipeline, step by step
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.nemo_state = ModelState()  # first: transformers' __init__ ties weights, which reads it
         super().__init__(*args, **kwargs)
-        self.nemo_state = ModelState()
 
     @property
     def load_report(self) -> LoadReport | None:
         """Where every parameter and buffer came from (the audit of ``from_pretrained``/``from_config``)."""
         return self.nemo_state.load_report
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        """transformers' ties, less those a pipeline stage holds only one end of (a middle stage
+        holds neither the embedding nor the head; tying them there would look for modules it lacks)."""
+        tied = super().get_expanded_tied_weights_keys(all_submodels)  # type: ignore[misc]
+        return tied if self.nemo_state.pipeline is None else held_tied_weights(self, tied)  # type: ignore[arg-type]
 
     def state_dict_adapter(self) -> StateDictAdapter:
         """Between this model's parameter names and transformers' checkpoint keys."""
@@ -115,10 +123,16 @@ class ShardedModelMixin:
         transformers checkpoint whose adapted weights hold ``W + scaling · B @ A``."""
         distinct, _ = checkpoint_tensors(self)  # type: ignore[arg-type]
         lora = {name: t for name, t in distinct.items() if is_lora_parameter(name)}
+        config = cast(LoraConfig, self.nemo_state.lora_config)
         if not merge_adapters:
             adapter_tensors = {peft_key(name): t for name, t in lora.items()}
-            save_peft_adapter(adapter_tensors, cast(LoraConfig, self.nemo_state.lora_config), save_directory, group)
+            save_peft_adapter(adapter_tensors, config, save_directory, group, self.nemo_state.pipeline)
             return
+        if self.nemo_state.pipeline is not None:
+            raise UnsupportedSaveOptionError(
+                "save_pretrained(merge_adapters=True) on a pipeline stage: merging needs every layer's base "
+                "weights in one place; save the adapter (merge_adapters=False) and merge it after loading"
+            )
         full = {name: gather_full(t) for name, t in lora.items()}  # every rank, in the same order
         merging = MergedWeightsAdapter(self.state_dict_adapter(), self, full)  # type: ignore[arg-type]
         save_hf_checkpoint(

@@ -7,6 +7,7 @@ holds what the steps hand to each other. Each step is one short method.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -29,6 +30,15 @@ from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
 from nemo_wrap.distributed.collectives import RankGroup, collective_device, device_memory_bytes
 from nemo_wrap.distributed.modules import decoder_layers
+from nemo_wrap.distributed.pipeline.runtime import build_runtime
+from nemo_wrap.distributed.pipeline.stage_model import (
+    PipelineStageModule,
+    check_family_pipelinable,
+    has_tied_embeddings,
+    held_parallel_plan,
+    keep_stage_modules,
+    refuse_outside_schedule,
+)
 from nemo_wrap.distributed.precision import apply_autocast
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.distributed.sharding import shard_model
@@ -89,6 +99,7 @@ class LoadPipeline:
         self.check_preconditions()
         steps: dict[Step, Callable[[], None]] = {
             Step.BUILD_ON_META: self.build_on_meta,
+            Step.KEEP_STAGE: self.keep_stage,
             Step.ADD_ADAPTERS: self.add_adapters,
             Step.SHARD: self.shard,
             Step.MATERIALIZE: self.materialize,
@@ -120,6 +131,25 @@ class LoadPipeline:
         if self.plan.precision is not None:
             apply_autocast(self.model, self.plan.precision, collective_device().type)
 
+    def keep_stage(self) -> None:
+        """Keep this rank's stage (see :mod:`nemo_wrap.distributed.pipeline.stage_model`) and create
+        the stage's groups (collective); a forward from outside the schedule is refused from now on."""
+        assert self.setup is not None  # the plan keeps a stage only under pipeline parallel
+        mesh = self.setup.device_mesh()
+        layout = dataclasses.replace(
+            self.plan.stages[self.setup.pp_rank()], tied_embeddings=has_tied_embeddings(self.model)
+        )
+        keep_stage_modules(self.model, layout)
+        self.tp_plan = held_parallel_plan(self.model, self.tp_plan)
+        stage = PipelineStageModule(self.model, layout)
+        if self.plan.precision is not None:  # a stage calls its backbone alone: autocast at the stage
+            apply_autocast(stage, self.plan.precision, collective_device().type)
+        self.model.register_forward_pre_hook(refuse_outside_schedule(stage), with_kwargs=True)
+        runtime = build_runtime(
+            stage, self.setup.pipeline.schedule, mesh.mesh, mesh["pp"].get_group(), layout.tied_embeddings
+        )
+        self.model.nemo_state.pipeline = runtime
+
     def add_adapters(self) -> None:
         assert self.lora is not None  # the plan adds adapters only when LoRA was asked for
         base_name = str(self.checkpoint.directory) if self.checkpoint is not None else ""
@@ -130,7 +160,8 @@ class LoadPipeline:
     def shard(self) -> None:
         assert self.setup is not None  # the plan has a shard step only with a setup
         state = self.model.nemo_state
-        self.model = shard_model(self.model, self.setup, self.tp_plan, self.plan.precision)
+        stage = None if state.pipeline is None else state.pipeline.module  # the stage's FSDP root
+        self.model = shard_model(self.model, self.setup, self.tp_plan, self.plan.precision, root=stage)
         state.setup = self.setup
 
     def compile_layers(self) -> None:
@@ -184,31 +215,52 @@ class LoadPipeline:
                 why = "absent from the checkpoint, allowed by the class's _keys_to_ignore_on_load_missing"
                 self.provenance[name] = Initialized(rule, why)
 
+    @property
+    def same_tensors_group(self) -> RankGroup:
+        """The ranks holding the same tensor names as this one: the job, or this pipeline stage's ranks."""
+        pipeline = self.model.nemo_state.pipeline
+        return self.group if pipeline is None else RankGroup.of_ranks(pipeline.stage_group)
+
     def audit(self) -> None:
         report = LoadReport(self.plan, self.provenance, self._unexpected_keys(), self.bytes_read)
         self.model.nemo_state.load_report = report
         if self.options.verify and self.checkpoint is not None and self.adapter is not None:
-            distinct, _ = checkpoint_tensors(self.model)
-            base = {name: t for name, t in distinct.items() if not is_lora_parameter(name)}
-            verify_load(base, self.provenance, self.adapter, self.checkpoint, self.group)
-            if self.lora is not None and self.lora.adapter_file is not None:
-                lora = {name: t for name, t in distinct.items() if is_lora_parameter(name)}
-                verify_load(lora, self.provenance, AdapterFileAdapter(), self.lora.adapter_file, self.group)
+            self.group.on_every_rank("verifying the load", self._verify)
             report.verified = True
         self._raise_if_incomplete(report)
         if self.group.is_writer:
             logger.info("%s", report.summary())
 
+    def _verify(self) -> None:
+        assert self.checkpoint is not None and self.adapter is not None  # audit verifies a read only
+        distinct, _ = checkpoint_tensors(self.model)
+        base = {name: t for name, t in distinct.items() if not is_lora_parameter(name)}
+        group = self.same_tensors_group
+        verify_load(base, self.provenance, self.adapter, self.checkpoint, group)
+        if self.lora is not None and self.lora.adapter_file is not None:
+            lora = {name: t for name, t in distinct.items() if is_lora_parameter(name)}
+            verify_load(lora, self.provenance, AdapterFileAdapter(), self.lora.adapter_file, group)
+
+    def _across_stages(self, names: Collection[str]) -> set[str]:
+        """The union of ``names`` over every pipeline stage (this rank's alone without pipeline)."""
+        if self.model.nemo_state.pipeline is None:
+            return set(names)
+        everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, sorted(names))
+        return {name for part in everyone for name in part}
+
     def _unexpected_keys(self) -> tuple[str, ...]:
+        """Checkpoint keys no rank (no pipeline stage) read."""
         if self.checkpoint is None:
             return ()
         available = set(self.checkpoint.entries) | set(self.checkpoint.pickle_tensors or {})
         ignored = getattr(self.model, "_keys_to_ignore_on_load_unexpected", None)
-        return tuple(sorted(k for k in available - self.used_keys if not matches_any(k, ignored)))
+        used = self._across_stages(self.used_keys)
+        return tuple(sorted(k for k in available - used if not matches_any(k, ignored)))
 
     def _raise_if_incomplete(self, report: LoadReport) -> None:
         where = self.checkpoint.directory if self.checkpoint is not None else "from_config"
-        missing = report.names("missing")
+        missing = sorted(self._across_stages(report.names("missing")))  # every stage raises alike
         if missing:
             raise MissingWeightsError(
                 f"{where}: {len(missing)} parameter(s) are neither in the checkpoint nor "
@@ -247,6 +299,8 @@ def check_loadable(
     if checkpoint_keys is not None:
         check_layer_count(config, loadable_class(source), checkpoint_keys)
         source.spec.check_checkpoint_keys(source.architecture, config.model_type)
+    if setup is not None and setup.degrees.pp > 1:
+        check_family_pipelinable(config.model_type, source.model_class.__name__)
     if setup is None or not setup.uses_tensor_parallel:
         return None
     plan = source.spec.parallel_plan()

@@ -16,11 +16,12 @@ from peft import LoraConfig
 from safetensors.torch import save_file
 
 from nemo_wrap.checkpoint.atomic import replace_directory, staged_save
+from nemo_wrap.checkpoint.gather import FullTensors
 from nemo_wrap.checkpoint.locate import Checkpoint, require_inside, resolve_checkpoint_directory
 from nemo_wrap.checkpoint.safetensors_file import read_header
-from nemo_wrap.checkpoint.save import gather_full
 from nemo_wrap.checkpoint.strict_json import read_json_file
 from nemo_wrap.distributed.collectives import RankGroup
+from nemo_wrap.distributed.pipeline.runtime import PipelineRuntime
 from nemo_wrap.errors import AdapterMismatchError, CheckpointNotFoundError, CorruptCheckpointError
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -48,15 +49,25 @@ def open_adapter(path: str | Path, group: RankGroup | None = None) -> tuple[Lora
 
 
 def save_peft_adapter(
-    tensors: Mapping[str, torch.Tensor], config: LoraConfig, save_directory: str | Path, group: RankGroup
+    tensors: Mapping[str, torch.Tensor],
+    config: LoraConfig,
+    save_directory: str | Path,
+    group: RankGroup,
+    pipeline: PipelineRuntime | None = None,
 ) -> None:
     """Write ``tensors`` (PEFT key → tensor, possibly sharded) and ``config`` as a PEFT adapter.
 
-    Every rank of a collective ``group`` calls it; rank 0 writes. The directory appears atomically.
+    Every rank of a collective ``group`` calls it; rank 0 writes the whole adapter — every pipeline
+    stage's part of it, when ``pipeline`` is this rank's stage. The directory appears atomically.
     """
     target = Path(save_directory).absolute()
+    gathered = FullTensors(tensors, pipeline)
     with staged_save(target, group) as (staged, failure):
-        full = {key: gather_full(tensor) for key, tensor in tensors.items()}  # same order on every rank
+        full = {}
+        for key in gathered.info:  # same order on every rank
+            whole = gathered.full(key, group.is_writer)
+            if whole is not None:
+                full[key] = whole
 
         def write() -> None:
             save_file(full, staged / ADAPTER_WEIGHTS, metadata={"format": "pt"})

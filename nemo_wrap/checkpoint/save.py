@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
 
 from nemo_wrap.checkpoint.atomic import replace_directory, staged_save
+from nemo_wrap.checkpoint.gather import FullTensors, TensorInfo
 from nemo_wrap.checkpoint.locate import INDEX_FILE, SINGLE_FILE
 from nemo_wrap.distributed.collectives import RankGroup
+from nemo_wrap.distributed.model_state import pipeline_of
 from nemo_wrap.errors import CheckpointSaveError, InvalidShardSizeError
 from nemo_wrap.progress import progress_bar
 from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors
@@ -77,15 +78,17 @@ def save_hf_checkpoint(
     """
     target = Path(save_directory).absolute()
     limit = _parse_size(max_shard_size)
-    tensors = _tensors_to_write(model, state_dict)
+    tensors = FullTensors(_tensors_to_write(model, state_dict), pipeline_of(model))
     with staged_save(target, group) as (staged, failure):
-        index = _write_files(tensors, _plan_files(tensors, limit), _hf_keys_converter(adapter), staged, group, failure)
-        finish = partial(_finish, model, architecture, tensors, tokenizer, staged, target, index)
+        index = _write_files(
+            tensors, _plan_files(tensors.info, limit), _hf_keys_converter(adapter), staged, group, failure
+        )
+        finish = partial(_finish, model, architecture, tensors.info, tokenizer, staged, target, index)
         group.on_rank_zero("writing the config and finishing", finish, failure)
 
 
 def _write_files(
-    tensors: dict[str, torch.Tensor],
+    tensors: FullTensors,
     files: dict[str, list[str]],
     to_hf: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
     staged: Path,
@@ -95,12 +98,12 @@ def _write_files(
     """Gather and write one file's worth of tensors at a time; the index when there are several files."""
     weight_map: dict[str, str] = {}
     total_size = 0
-    bar = progress_bar(len(tensors), "saving", group.is_writer)
+    bar = progress_bar(len(tensors.info), "saving", group.is_writer)
     for filename, names in files.items():
         shard: dict[str, torch.Tensor] = {}
         for name in names:  # same order on every rank: each full_tensor() is a collective
-            full = gather_full(tensors[name])
-            if group.is_writer:
+            full = tensors.full(name, group.is_writer)
+            if full is not None and group.is_writer:
                 shard.update(to_hf(name, full))
             bar.update(1)
         weight_map.update(dict.fromkeys(shard, filename))
@@ -158,15 +161,15 @@ def _hf_keys_converter(adapter: StateDictAdapter) -> Callable[[str, torch.Tensor
     return convert
 
 
-def _plan_files(tensors: dict[str, torch.Tensor], limit: int) -> dict[str, list[str]]:
+def _plan_files(tensors: Mapping[str, TensorInfo], limit: int) -> dict[str, list[str]]:
     """File name → the names of the tensors it holds, filled greedily in order up to ``limit`` bytes.
 
     Sizes come from global shapes, so every rank computes the same plan without gathering.
     """
     groups: list[list[str]] = [[]]
     size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
+    for name, info in tensors.items():
+        nbytes = info.nbytes
         if groups[-1] and size + nbytes > limit:
             groups.append([])
             size = 0
@@ -178,16 +181,10 @@ def _plan_files(tensors: dict[str, torch.Tensor], limit: int) -> dict[str, list[
     return {f"{stem}-{i:05d}-of-{len(groups):05d}.safetensors": group for i, group in enumerate(groups, start=1)}
 
 
-def gather_full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on the CPU: every rank of a DTensor must call it, in the same order."""
-    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    return full.detach().to("cpu").contiguous()
-
-
 def _finish(
     model: PreTrainedModel,
     architecture: str,
-    tensors: dict[str, torch.Tensor],
+    tensors: Mapping[str, TensorInfo],
     tokenizer: PreTrainedTokenizerBase | None,
     staged: Path,
     target: Path,
@@ -198,7 +195,7 @@ def _finish(
         (staged / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     config = copy.deepcopy(model.config)
     config.architectures = [architecture]
-    floating = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    floating = [t.dtype for t in tensors.values() if t.dtype.is_floating_point]
     if floating:
         config.dtype = floating[0]
     config.save_pretrained(staged)

@@ -49,6 +49,7 @@ class RankGroup:
     """
 
     collective: bool
+    process_group: dist.ProcessGroup | None = None  # None: every rank of the job
 
     @classmethod
     def job(cls) -> RankGroup:
@@ -65,10 +66,31 @@ class RankGroup:
         """The job for a sharded model, this process alone for a process-local one."""
         return cls.job() if sharded else cls.local()
 
+    @classmethod
+    def of_ranks(cls, process_group: dist.ProcessGroup) -> RankGroup:
+        """The ranks of ``process_group`` (one pipeline stage's ranks, say), collective among them."""
+        return cls(dist.get_world_size(process_group) > 1, process_group)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank within the group (0 for a process-local group)."""
+        return dist.get_rank(self.process_group) if self.collective else 0
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.process_group) if self.collective else 1
+
+    @property
+    def first_global_rank(self) -> int:
+        """The job-wide rank of the group's rank 0."""
+        if not self.collective:
+            return dist.get_rank() if dist.is_initialized() else 0
+        return dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+
     @property
     def is_writer(self) -> bool:
         """Whether this process does the group's single-writer work (rank 0, or the only process)."""
-        return not self.collective or dist.get_rank() == 0
+        return self.rank == 0
 
     def on_every_rank(self, what: str, action: Callable[[], T]) -> T:
         """Run ``action`` here; in a collective group, if it fails on any rank, fail on every rank.
@@ -84,7 +106,7 @@ class RankGroup:
             error = caught
         if self.collective:
             failed = torch.tensor([0 if error is None else 1], device=collective_device())
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.process_group)
             if failed.item() and error is None:
                 raise RemoteRankError(f"another rank failed while {what}; its error is in that rank's output")
         if error is not None:
@@ -106,7 +128,7 @@ class RankGroup:
                 error = caught
                 outcome[0] = f"{type(caught).__name__}: {caught}"
         if self.collective:
-            dist.broadcast_object_list(outcome, src=0)
+            dist.broadcast_object_list(outcome, src=self.first_global_rank, group=self.process_group)
         if outcome[0] is not None:
             raise failure(f"{what} failed on rank 0: {outcome[0]}") from error
         return outcome[1]  # type: ignore[return-value]

@@ -3,9 +3,9 @@
 Every model of the classes ``NeMoAutoModelForCausalLM`` returns has a ``nemo_state``, which the
 load pipeline fills in: the setup it was sharded with (the
 training step finds its data-parallel group there, ``generate`` knows its forward holds
-collectives, ``save_pretrained`` that saving is collective), the audit of its load, and the LoRA
-configuration of the adapters it carries. One declared attribute replaces names attached from
-outside and read back with ``getattr``.
+collectives, ``save_pretrained`` that saving is collective), the audit of its load, the LoRA
+configuration of the adapters it carries, and the pipeline stage it is (if pipelined). One declared
+attribute replaces names attached from outside and read back with ``getattr``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from peft import LoraConfig
 
+from nemo_wrap.distributed.pipeline.runtime import PipelineRuntime
 from nemo_wrap.distributed.setup import DistributedSetup
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ class ModelState:
     setup: DistributedSetup | None = None  # None: a process-local model
     load_report: LoadReport | None = None
     lora_config: LoraConfig | None = None  # the adapters' config, as PEFT saves it
+    pipeline: PipelineRuntime | None = None  # this rank's pipeline stage; None: the whole model is here
 
 
 @runtime_checkable
@@ -40,3 +42,8 @@ class HasModelState(Protocol):
 def setup_of(model: object) -> DistributedSetup | None:
     """The setup ``model`` was sharded with by nemo_wrap; None for any other model."""
     return model.nemo_state.setup if isinstance(model, HasModelState) else None
+
+
+def pipeline_of(model: object) -> PipelineRuntime | None:
+    """The pipeline stage ``model`` is, or None for a model that is whole on this rank."""
+    return model.nemo_state.pipeline if isinstance(model, HasModelState) else None

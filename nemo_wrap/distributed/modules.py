@@ -7,16 +7,17 @@ from torch import nn
 from nemo_wrap.errors import ShardingError
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The stack of transformer blocks, found through transformers' ``_no_split_modules``.
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks this rank holds, found through transformers' ``_no_split_modules``.
 
     FSDP units and Megatron-FSDP units are one decoder block each. A block's class may be the
-    subclass ``fully_shard`` swaps in (``FSDP<Name>``), so its bases are matched too.
+    subclass ``fully_shard`` swaps in (``FSDP<Name>``), so its bases are matched too. A pipeline
+    stage's list also holds stand-ins for other stages' blocks; they are left out.
     """
     block_names = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) and _is_block(module[0], block_names):
-            return module
+        if isinstance(module, nn.ModuleList) and any(_is_block(layer, block_names) for layer in module):
+            return [layer for layer in module if _is_block(layer, block_names)]
     raise ShardingError(
         f"{type(model).__name__}: found no ModuleList of decoder blocks named in _no_split_modules "
         f"({sorted(block_names)}); cannot place FSDP units"

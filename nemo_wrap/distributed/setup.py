@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from nemo_wrap.distributed.degrees import ParallelDegrees, derive_degrees
+from nemo_wrap.distributed.pipeline.layout import PipelineOptions
 from nemo_wrap.distributed.strategies import StrategyEntry, strategy_entry
 from nemo_wrap.errors import DistributedStateError, InvalidSetupError, UnsupportedSetupError
 
@@ -48,6 +49,7 @@ class DistributedSetup:
     strategy: str
     degrees: ParallelDegrees
     options: Any
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)  # schedule and layer split (pp > 1)
     _mesh_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
@@ -60,6 +62,8 @@ class DistributedSetup:
         pp_size: int = 1,
         ep_size: int = 1,
         dp_replicate_size: int = 1,
+        pp_schedule: str = "1f1b",
+        pp_layer_split: tuple[int, ...] | list[int] | None = None,
         **options: Any,
     ) -> DistributedSetup:
         """Validate and freeze a setup. Raises :class:`InvalidSetupError` naming the bad argument.
@@ -68,6 +72,8 @@ class DistributedSetup:
         ``tp_size == world_size`` means pure tensor parallel (no FSDP on the size-1 dp axis).
         Whether the strategy can run here (CUDA, optional packages) is checked when a model is
         sharded with it, not here: a setup may describe a job for another machine.
+        ``pp_schedule`` is torch's pipeline schedule (``"1f1b"`` or ``"gpipe"``), ``pp_layer_split``
+        the decoder layers per stage (default: balanced).
         """
         try:
             entry = strategy_entry(strategy)
@@ -76,7 +82,10 @@ class DistributedSetup:
         given = {"tp_size": tp_size, "cp_size": cp_size, "pp_size": pp_size, "ep_size": ep_size}
         given["dp_replicate_size"] = dp_replicate_size
         degrees = derive_degrees(world_size, given, entry.degrees, entry.name)
-        return cls(entry.name, degrees, _build_options(entry, options))
+        split = None if pp_layer_split is None else tuple(pp_layer_split)
+        pipeline = PipelineOptions(pp_schedule, split)
+        pipeline.check(degrees.pp)
+        return cls(entry.name, degrees, _build_options(entry, options), pipeline)
 
     # -- derived facts ------------------------------------------------------------------------
     @property
@@ -146,15 +155,22 @@ class DistributedSetup:
                 f"all-reduce across replicas; {self.options}); data dealt over dp = dp_replicate × dp_shard "
                 f"= {self.dp_size}"
             )
+        if self.degrees.pp > 1:
+            split = (
+                "balanced"
+                if self.pipeline.layer_split is None
+                else f"layers per stage {list(self.pipeline.layer_split)}"
+            )
+            lines.append(f"pipeline schedule {self.pipeline.schedule} (torch.distributed.pipelining), {split}")
         return lines + self.degrees.describe_usage()
 
     def check_buildable(self) -> None:
         """Refuse, before any work, the degrees a model cannot be loaded with yet (each has its issue)."""
-        unbuilt = {"cp_size": self.degrees.cp, "pp_size": self.degrees.pp, "ep_size": self.degrees.ep}
+        unbuilt = {"cp_size": self.degrees.cp, "ep_size": self.degrees.ep}
         given = [f"{name}={size}" for name, size in unbuilt.items() if size > 1]
         if given:
             raise UnsupportedSetupError(
-                f"{', '.join(given)}: context, pipeline and expert parallel are planned but not built yet; "
+                f"{', '.join(given)}: context and expert parallel are planned but not built yet; "
                 "plan() describes such a job, loading needs them at 1"
             )
 
@@ -166,6 +182,10 @@ class DistributedSetup:
     def dp_group(self) -> dist.ProcessGroup | None:
         """The data-parallel process group (losses and token counts are summed there), or None."""
         return self.device_mesh()["dp"].get_group() if self.dp_size > 1 else None
+
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (0 … pp_size - 1); 0 without pipeline parallel."""
+        return self.device_mesh()["pp"].get_local_rank() if self.degrees.pp > 1 else 0
 
     # -- the mesh, made on first use ----------------------------------------------------------
     def device_mesh(self) -> DeviceMesh:

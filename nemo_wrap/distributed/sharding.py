@@ -24,6 +24,7 @@ def shard_model(
     setup: DistributedSetup,
     tp_plan: TensorParallelPlan | None,
     precision: PrecisionPlan | None = None,
+    root: nn.Module | None = None,
 ) -> nn.Module:
     """Apply ``setup`` to ``model`` and return it (or the strategy's wrapper around it).
 
@@ -31,11 +32,14 @@ def shard_model(
     :class:`~nemo_wrap.distributed.model_state.ModelState`, and checks
     ``setup.entry.check_available()`` first, before any work that would be lost (the load pipeline
     does so before it builds anything). ``precision`` puts its mixed precision
-    into the strategy's options where the strategy casts parameters itself (FSDP2).
+    into the strategy's options where the strategy casts parameters itself (FSDP2). ``root`` is the
+    module the strategy wraps when it is not ``model`` itself (a pipeline stage's module, which
+    holds ``model``): tensor parallel still applies to ``model``, whose plan names its modules.
     """
     entry = setup.entry
     mesh = setup.device_mesh()
     if setup.uses_tensor_parallel:
         apply_tensor_parallel(model, mesh["tp"], tp_plan)
     options = setup.options if precision is None else strategy_options(precision, setup.strategy, setup.options)
-    return entry.apply(model, mesh, options)
+    wrapped = entry.apply(model if root is None else root, mesh, options)
+    return wrapped if root is None else model

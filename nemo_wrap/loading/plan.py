@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from nemo_wrap.distributed.pipeline import StageLayout
 from nemo_wrap.distributed.precision import PrecisionPlan
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import InvalidSetupError
@@ -30,6 +31,7 @@ _DEFAULT_OPTIONS = LoadOptions()
 
 class Step(str, Enum):
     BUILD_ON_META = "build on meta (architecture only, no weights, no init)"
+    KEEP_STAGE = "keep this rank's pipeline stage (its decoder layers and ends of the model)"
     ADD_ADAPTERS = "add LoRA adapters and freeze the base weights"
     SHARD = "shard"
     MATERIALIZE = "materialize (allocate each rank's storage)"
@@ -59,6 +61,7 @@ class LoadPlan:
     precision: PrecisionPlan | None = None  # None: a plan made without one (tests of the step logic)
     mesh: str | None = None  # the setup's mesh, e.g. "dp_replicate=2, dp_shard=2, tp=2"
     parallelism: tuple[str, ...] = ()  # what each degree beyond plain data parallel does, one line each
+    stages: tuple[StageLayout, ...] = ()  # pipeline stages (none without pipeline parallel)
 
     @property
     def init_device(self) -> str:
@@ -81,8 +84,9 @@ class LoadPlan:
     def read_scope(self) -> str:
         if not self.has_checkpoint:
             return "none given: nothing is read"
+        stage = " of its pipeline stage's tensors" if self.stages else ""
         if self.shards_before_materializing:
-            return "read once, each rank reading only the slices of its own shards"
+            return f"read once, each rank reading only the slices of its own shards{stage}"
         return "read once, every rank reading the full tensors (they are replicated)"
 
     @property
@@ -122,6 +126,7 @@ class LoadPlan:
         if self.strategy is not None:
             lines.append(f"  sharding: {self.shard_reason}")
         lines += [f"  parallelism: {line}" for line in self.parallelism]
+        lines += [f"  pipeline {stage.describe()}" for stage in self.stages]
         if self.precision is not None:
             lines.append(f"  precision: {self.precision}")
         return "\n".join(lines)
@@ -136,28 +141,19 @@ def make_load_plan(
     options: LoadOptions = _DEFAULT_OPTIONS,
     key_mapping: str = "transformers' keys as they are",
     precision: PrecisionPlan | None = None,
+    stages: tuple[StageLayout, ...] = (),
 ) -> LoadPlan:
     """The one place loading is decided. Pure: no I/O, no process group; strategy facts come from
     the strategy registry (static data). ``options`` says whether LoRA adapters are added (new or
-    from a file) and whether each decoder layer is compiled once the model is complete.
+    from a file) and whether each decoder layer is compiled once the model is complete; ``stages``
+    are the pipeline stages' layouts (:func:`~nemo_wrap.distributed.pipeline.stage_layouts`).
     """
     tp_size = 1 if setup is None else setup.tp_size
     _check_compile(options.compile, tp_size)
     # tensor parallel always shards the meta model (each rank reads only its slices), whatever
     # the strategy that replicates or shards the result over dp needs on its own
     shard_first = setup is not None and (setup.entry.shards_on_meta or tp_size > 1)
-    steps = [Step.BUILD_ON_META]
-    if options.adapters is not None:  # before sharding, so the adapters are sharded with their layers
-        steps.append(Step.ADD_ADAPTERS)
-    steps += [Step.SHARD, Step.MATERIALIZE] if shard_first else [Step.MATERIALIZE]
-    if has_checkpoint:
-        steps.append(Step.READ_CHECKPOINT)
-    steps.append(Step.INITIALIZE_REST)
-    if setup is not None and not shard_first:
-        steps.append(Step.SHARD)
-    if options.compile:
-        steps.append(Step.COMPILE_LAYERS)
-    steps.append(Step.AUDIT)
+    steps = _ordered_steps(setup is not None, shard_first, has_checkpoint, options, bool(stages))
     return LoadPlan(
         model_class,
         is_custom,
@@ -166,13 +162,35 @@ def make_load_plan(
         1 if setup is None else setup.world_size,
         tp_size,
         has_checkpoint,
-        tuple(steps),
+        steps,
         key_mapping,
         options.adapters,
         precision,
         None if setup is None else setup.mesh_summary(),
         () if setup is None else tuple(setup.describe_degrees()),
+        stages,
     )
+
+
+def _ordered_steps(
+    sharded: bool, shard_first: bool, has_checkpoint: bool, options: LoadOptions, pipelined: bool
+) -> tuple[Step, ...]:
+    """The steps in the order they run (see the module doc for why this order)."""
+    steps = [Step.BUILD_ON_META]
+    if pipelined:  # before adapters and sharding: both then see only the stage's own modules
+        steps.append(Step.KEEP_STAGE)
+    if options.adapters is not None:  # before sharding, so the adapters are sharded with their layers
+        steps.append(Step.ADD_ADAPTERS)
+    steps += [Step.SHARD, Step.MATERIALIZE] if shard_first else [Step.MATERIALIZE]
+    if has_checkpoint:
+        steps.append(Step.READ_CHECKPOINT)
+    steps.append(Step.INITIALIZE_REST)
+    if sharded and not shard_first:
+        steps.append(Step.SHARD)
+    if options.compile:
+        steps.append(Step.COMPILE_LAYERS)
+    steps.append(Step.AUDIT)
+    return tuple(steps)
 
 
 def _check_compile(compile_layers: bool, tp_size: int) -> None:

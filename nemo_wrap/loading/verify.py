@@ -27,19 +27,19 @@ from nemo_wrap.loading.read import BlockView, checkpoint_blocks
 from nemo_wrap.state_dict import StateDictAdapter
 
 
-def _owns_distinct_piece(tensor: DTensor) -> bool:
-    """Whether this rank's shard is counted: one copy of every distinct piece, across all ranks.
+def _owns_distinct_piece(tensor: DTensor, first_rank: int) -> bool:
+    """Whether this rank's shard is counted: one copy of every distinct piece, across the group.
 
     Copies come from ``Replicate`` dims of the tensor's mesh, and from meshes that are sub-meshes of
-    the world: under FSDP over tensor parallel, norms live on the ``dp`` sub-mesh, and every ``tp``
+    the group: under FSDP over tensor parallel, norms live on the ``dp`` sub-mesh, and every ``tp``
     position holds the same shards on a parallel sub-mesh. Of those parallel sub-meshes, exactly one
-    holds global rank 0; it is the one counted.
+    holds the group's first rank (``first_rank``, a job-wide rank); it is the one counted.
     """
     mesh = tensor.device_mesh
     coordinate = mesh.get_coordinate()
     return (
         coordinate is not None
-        and bool((mesh.mesh == 0).any())
+        and bool((mesh.mesh == first_rank).any())
         and all(coordinate[d] == 0 for d, p in enumerate(tensor.placements) if isinstance(p, Replicate))
     )
 
@@ -64,11 +64,14 @@ def verify_load(
     checkpoint: Checkpoint,
     group: RankGroup,
 ) -> None:
-    """Raise :class:`LoadVerificationError` (on every rank) naming each tensor that differs."""
+    """Raise :class:`LoadVerificationError` (on every rank of ``group``) naming each tensor that differs.
+
+    ``group`` holds the same tensor names on every rank (the job, or one pipeline stage's ranks).
+    """
     names = [name for name in tensors if isinstance(provenance.get(name), Loaded)]
     distributed = group.collective
     device = collective_device()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    rank, world, first_rank = group.rank, group.size, group.first_global_rank
     expected = torch.zeros(len(names), dtype=torch.int64)
     actual = torch.zeros(len(names), dtype=torch.int64)
     with BlockReader() as reader, torch.no_grad():
@@ -77,19 +80,19 @@ def verify_load(
             tensor = tensors[name]
             if i % world == rank:
                 expected[i] = _expected_checksum(name, tensor, adapter, view_block)
-            if not isinstance(tensor, DTensor) or _owns_distinct_piece(tensor):
+            if not isinstance(tensor, DTensor) or _owns_distinct_piece(tensor, first_rank):
                 geometry = shard_geometry(tensor, name)
                 actual[i] = checksum(local_shard(tensor), geometry.dim_indices, geometry.global_shape)
     is_dtensor = torch.tensor([isinstance(tensors[n], DTensor) for n in names], dtype=torch.bool)
     if distributed:
         both = torch.stack([expected, torch.where(is_dtensor, actual, torch.zeros_like(actual))]).to(device)
-        dist.all_reduce(both)
+        dist.all_reduce(both, group=group.process_group)
         expected, reduced = both[0].cpu() % PRIME, both[1].cpu() % PRIME
         actual = torch.where(is_dtensor, reduced, actual)
     wrong = (expected != actual).to(torch.int64)
     if distributed:  # every rank raises, naming every tensor wrong anywhere
         wrong = wrong.to(device)
-        dist.all_reduce(wrong, op=dist.ReduceOp.MAX)
+        dist.all_reduce(wrong, op=dist.ReduceOp.MAX, group=group.process_group)
         wrong = wrong.cpu()
     bad = [names[i] for i in torch.nonzero(wrong).flatten().tolist()]
     if bad:

@@ -27,6 +27,13 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     total. Plain-tensor gradients are taken as already identical across ranks (DDP all-reduces).
     """
     gradients = [p.grad for p in parameters if p.grad is not None]
+    total = gradient_norm(gradients, norm_type)
+    scale_gradients_(gradients, total, max_norm)
+    return total
+
+
+def gradient_norm(gradients: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all ``gradients`` together, whatever meshes they live on (see module doc)."""
     if not gradients:
         return torch.tensor(0.0)
     groups: dict[object, list[torch.Tensor]] = {}
@@ -36,9 +43,12 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     for group in groups.values():
         norm = get_total_norm(group, norm_type=norm_type)
         group_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = get_total_norm(group_norms, norm_type=norm_type)
+    return get_total_norm(group_norms, norm_type=norm_type)
+
+
+def scale_gradients_(gradients: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:
+    """Scale ``gradients`` so that a norm of ``total`` becomes at most ``max_norm`` (torch's rule)."""
     coefficient = float(max_norm) / (float(total) + 1e-6)
     if coefficient < 1.0:
         for gradient in gradients:
             gradient.mul_(coefficient)
-    return total

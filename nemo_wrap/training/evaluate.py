@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nemo_wrap.distributed.model_state import pipeline_of
+from nemo_wrap.training.pipeline_step import pipeline_evaluate_totals
 from nemo_wrap.training.step import IGNORE_INDEX, data_parallel_group
 
 
@@ -26,9 +28,13 @@ def evaluate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) ->
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64)  # loss sum, token count
+    pipeline = pipeline_of(model)
     try:
         with torch.no_grad():
             for batch in batches:
+                if pipeline is not None:  # forward-only through the stages
+                    totals += pipeline_evaluate_totals(model, pipeline, batch)
+                    continue
                 logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
                 labels = batch["labels"][..., 1:]
                 loss = F.cross_entropy(

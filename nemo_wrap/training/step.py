@@ -19,9 +19,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nemo_wrap.distributed.model_state import setup_of
+from nemo_wrap.distributed.model_state import pipeline_of, setup_of
 from nemo_wrap.training.accumulation import no_gradient_sync
 from nemo_wrap.training.clipping import clip_grad_norm_
+from nemo_wrap.training.pipeline_step import (
+    check_micro_batch_count,
+    pipeline_clip_grad_norm_,
+    pipeline_forward_backward,
+)
 
 IGNORE_INDEX = -100
 
@@ -64,13 +69,38 @@ def train_step(
 
     Each batch holds ``input_ids`` and optionally ``labels`` (default: ``input_ids``; ``-100`` is
     ignored), ``attention_mask`` and ``position_ids`` (restarting at each example of a packed row).
-    Every rank of the job must call it with its own batches.
+    Every rank of the job must call it with its own batches. On a pipelined model the
+    micro-batches are the pipeline's (torch's schedule runs them through the stages; every stage of
+    a pipeline gets the same batches, as ``setup.dp_rank()`` deals them).
     """
+    pipeline = pipeline_of(model)
+    if pipeline is not None:
+        check_micro_batch_count(pipeline, len(micro_batches))  # before any collective
     group = data_parallel_group(model)
     dp_size = 1 if group is None else dist.get_world_size(group)
     label_tokens = _count_label_tokens(micro_batches, group)
     if label_tokens == 0:
         raise ValueError("train_step: the micro-batches hold no label token on any rank (all labels are -100)")
+    if pipeline is not None:
+        loss_sum = pipeline_forward_backward(model, pipeline, micro_batches, label_tokens, dp_size)
+    else:
+        loss_sum = _forward_backward(model, micro_batches, label_tokens, dp_size)
+    grad_norm = None
+    if max_grad_norm is not None and pipeline is not None:
+        grad_norm = float(pipeline_clip_grad_norm_(model, pipeline, max_grad_norm))
+    elif max_grad_norm is not None:
+        grad_norm = float(clip_grad_norm_(model.parameters(), max_grad_norm))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if group is not None:
+        dist.all_reduce(loss_sum, group=group)
+    return StepResult(loss=float(loss_sum), grad_norm=grad_norm, label_tokens=label_tokens)
+
+
+def _forward_backward(
+    model: nn.Module, micro_batches: Sequence[Mapping[str, torch.Tensor]], label_tokens: int, dp_size: int
+) -> torch.Tensor:
+    """Forward and backward each micro-batch in turn (gradients synced on the last); the loss sum."""
     loss_sum = torch.zeros(())
     for index, batch in enumerate(micro_batches):
         is_last = index == len(micro_batches) - 1
@@ -84,11 +114,4 @@ def train_step(
             )
             (output.loss * dp_size).backward()
         loss_sum += output.loss.detach().float().cpu()
-    grad_norm = None
-    if max_grad_norm is not None:
-        grad_norm = float(clip_grad_norm_(model.parameters(), max_grad_norm))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if group is not None:
-        dist.all_reduce(loss_sum, group=group)
-    return StepResult(loss=float(loss_sum), grad_norm=grad_norm, label_tokens=label_tokens)
+    return loss_sum

@@ -1,0 +1,77 @@
+"""What a loaded pipeline stage needs at run time: its groups, and torch's stage and schedules.
+
+The engine is torch's (``torch.distributed.pipelining``): a ``PipelineStage`` over the stage's
+:class:`~nemo_wrap.distributed.pipeline.stage_model.PipelineStageModule` and a ``ScheduleGPipe`` or
+``Schedule1F1B``. torch infers the tensors that travel between stages on a schedule's first step
+and keeps them, so one schedule is kept per micro-batch shape (and per train/eval).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from nemo_wrap.distributed.collectives import collective_device
+from nemo_wrap.distributed.pipeline.layout import StageLayout
+from nemo_wrap.distributed.pipeline.stage_model import PipelineStageModule
+
+_SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+LossFunction = Callable[..., torch.Tensor]
+
+
+@dataclass
+class PipelineRuntime:
+    """One rank's stage: where it sits, who it talks to, and the schedules that drive it.
+
+    - ``stage_ranks``: the global ranks of every stage (index = stage), each listed in mesh order;
+    - ``group``: this rank's ``pp`` group (one rank per stage, same data);
+    - ``stage_group``: the ranks of this rank's stage (they shard the stage's tensors among them);
+    - ``tie_group``: the first and last stage's ranks at this mesh position, when the LM head is the
+      tied input embedding (their gradients for it are summed), else ``None``.
+    """
+
+    layout: StageLayout
+    schedule: str
+    module: PipelineStageModule
+    stage_ranks: tuple[tuple[int, ...], ...]
+    group: dist.ProcessGroup
+    stage_group: dist.ProcessGroup
+    tie_group: dist.ProcessGroup | None
+    _schedules: dict[tuple, PipelineScheduleSingle] = field(default_factory=dict, repr=False)
+
+    def schedule_for(
+        self, shape: tuple[int, ...], micro_batches: int, loss_fn: LossFunction | None
+    ) -> PipelineScheduleSingle:
+        """The schedule for micro-batches of ``shape``: training (``loss_fn``) or forward-only."""
+        key = (shape, micro_batches, loss_fn is None)
+        if key not in self._schedules:
+            device = collective_device()
+            stage = PipelineStage(self.module, self.layout.index, self.layout.stages, device, group=self.group)
+            name = self.schedule if loss_fn is not None else "gpipe"
+            self._schedules[key] = _SCHEDULE_CLASSES[name](stage, micro_batches, loss_fn=loss_fn, scale_grads=False)
+        return self._schedules[key]
+
+
+def build_runtime(
+    module: PipelineStageModule, schedule: str, mesh_ranks: torch.Tensor, pp_group: dist.ProcessGroup, tied: bool
+) -> PipelineRuntime:
+    """Create the stage's groups (collectively: every rank creates every group, in one order)."""
+    stages = mesh_ranks.shape[0]
+    per_stage = [tuple(int(r) for r in mesh_ranks[index].flatten().tolist()) for index in range(stages)]
+    rank = dist.get_rank()
+    stage_group = None
+    for ranks in per_stage:
+        created = dist.new_group(list(ranks))
+        stage_group = created if rank in ranks else stage_group
+    tie_group = None
+    if tied:
+        for first, last in zip(per_stage[0], per_stage[-1], strict=True):
+            created = dist.new_group([first, last])
+            tie_group = created if rank in (first, last) else tie_group
+    assert stage_group is not None  # every rank is in one stage
+    return PipelineRuntime(module.layout, schedule, module, tuple(per_stage), pp_group, stage_group, tie_group)

@@ -1,0 +1,164 @@
+"""A training step and an evaluation over pipeline stages, driven by torch's schedule.
+
+The caller's micro-batches are the pipeline's micro-batches: they are stacked into one batch (right-
+padded to one length, the padding ignored by the loss) that torch's schedule splits back into them.
+The last stage's loss function is transformers' causal-LM loss with the step's global label-token
+count (``num_items_in_batch``), times the data-parallel degree, as in the one-stage step, so the
+loss and gradients equal one process's. After the schedule, a tied embedding's two copies (first
+and last stage) get the sum of their gradients, and the clipping norm is taken over every stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from nemo_wrap.distributed.pipeline.runtime import PipelineRuntime
+from nemo_wrap.errors import InvalidModelInputError, InvalidSetupError
+from nemo_wrap.initialization.geometry import local_shard
+from nemo_wrap.training.clipping import gradient_norm, scale_gradients_
+
+IGNORE_INDEX = -100
+_PADDING = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
+
+
+def check_micro_batch_count(runtime: PipelineRuntime, count: int) -> None:
+    """1F1B needs at least one micro-batch per stage: refused before any collective."""
+    stages = runtime.layout.stages
+    if runtime.schedule == "1f1b" and count < stages:
+        raise InvalidSetupError(
+            f"train_step: {count} micro-batch(es) with pp_schedule='1f1b' over pp_size={stages} stages; 1F1B needs "
+            f"at least {stages} (pass more micro-batches, or build the setup with pp_schedule='gpipe')"
+        )
+
+
+def pipeline_forward_backward(
+    model: nn.Module,
+    runtime: PipelineRuntime,
+    micro_batches: Sequence[Mapping[str, torch.Tensor]],
+    label_tokens: int,
+    dp_size: int,
+) -> torch.Tensor:
+    """Run the schedule over ``micro_batches``; return this pipeline's loss sum on every stage."""
+    stacked = stack_micro_batches(micro_batches)
+    layout = runtime.layout
+
+    causal_lm: Any = model  # a transformers causal LM: its config and transformers' loss
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int) -> torch.Tensor:
+        vocab_size = causal_lm.config.vocab_size
+        loss = causal_lm.loss_function(
+            logits=logits, labels=labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch
+        )
+        return loss * dp_size  # undoes the data-parallel gradient averaging, as the one-stage step does
+
+    rows = micro_batches[0]["input_ids"].shape[0]
+    schedule = runtime.schedule_for((rows, stacked["input_ids"].shape[1]), len(micro_batches), loss_fn)
+    losses: list[torch.Tensor] = []
+    with runtime.module.driven():
+        schedule.step(
+            *((stacked["input_ids"],) if layout.is_first else ()),
+            target=stacked["labels"] if layout.is_last else None,
+            losses=losses if layout.is_last else None,
+            loss_kwargs={"num_items_in_batch": label_tokens},
+            return_outputs=False,
+            **_side_inputs(stacked),
+        )
+    sum_tied_gradients(model, runtime)
+    local = sum(loss.detach().float().cpu() for loss in losses) / dp_size if losses else torch.zeros(())
+    return _from_last_stage(torch.as_tensor(local, dtype=torch.float32), runtime)
+
+
+def stack_micro_batches(micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One batch of the micro-batches, each right-padded to the longest (padding is never a label)."""
+    rows = {batch["input_ids"].shape[0] for batch in micro_batches}
+    if len(rows) > 1:
+        raise InvalidModelInputError(
+            f"train_step: pipeline micro-batches must have the same number of rows, got {sorted(rows)}"
+        )
+    length = max(batch["input_ids"].shape[1] for batch in micro_batches)
+    keys = {"input_ids", "labels"} | {
+        k for k in ("attention_mask", "position_ids") if any(k in b for b in micro_batches)
+    }
+    padded = [_padded(batch, keys, length) for batch in micro_batches]
+    return {key: torch.cat([batch[key] for batch in padded]) for key in keys}
+
+
+def _padded(batch: Mapping[str, torch.Tensor], keys: set[str], length: int) -> dict[str, torch.Tensor]:
+    ids = batch["input_ids"]
+    rows, width = ids.shape
+    defaults = {
+        "labels": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(width).expand(rows, width),
+    }
+    out = {}
+    for key in keys:
+        value = batch[key] if key in batch else defaults[key]
+        if key == "position_ids":
+            extra = value[:, -1:] + torch.arange(1, length - width + 1)  # positions go on past the end
+        else:
+            extra = torch.full((rows, length - width), _PADDING[key], dtype=value.dtype)
+        out[key] = torch.cat([value, extra.to(value.dtype)], dim=1)
+    return out
+
+
+def _side_inputs(stacked: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """What every stage takes besides the activations (torch's schedule splits it per micro-batch)."""
+    return {key: stacked[key] for key in ("position_ids", "attention_mask") if key in stacked}
+
+
+def _from_last_stage(value: torch.Tensor, runtime: PipelineRuntime) -> torch.Tensor:
+    """The last stage's ``value`` on every stage of this pipeline (the others hold zeros)."""
+    dist.all_reduce(value, group=runtime.group)
+    return value
+
+
+def sum_tied_gradients(model: nn.Module, runtime: PipelineRuntime) -> None:
+    """Give both copies of a tied embedding (first and last stage) the sum of their gradients."""
+    if runtime.tie_group is None:
+        return
+    weight = cast(Any, model).get_input_embeddings().weight
+    if weight.grad is None:
+        return
+    if isinstance(weight, DTensor) and tuple(weight.grad.placements) != tuple(weight.placements):
+        # a vocab-parallel embedding's gradient may come back replicated: lay it out as the weight is
+        weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
+    dist.all_reduce(local_shard(weight.grad), group=runtime.tie_group)
+
+
+def pipeline_clip_grad_norm_(model: nn.Module, runtime: PipelineRuntime, max_norm: float) -> torch.Tensor:
+    """Clip by the norm over every stage's gradients, a tied embedding counted once."""
+    counted_on_first_stage = runtime.tie_group is not None and not runtime.layout.is_first
+    duplicate = cast(Any, model).get_input_embeddings().weight if counted_on_first_stage else None
+    gradients = [p.grad for p in model.parameters() if p.grad is not None and p is not duplicate]
+    squared = gradient_norm(gradients).detach().float().cpu() ** 2
+    dist.all_reduce(squared, group=runtime.group)
+    total = squared.sqrt()
+    scale_gradients_([p.grad for p in model.parameters() if p.grad is not None], total, max_norm)
+    return total
+
+
+def pipeline_evaluate_totals(
+    model: nn.Module, runtime: PipelineRuntime, batch: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """(loss sum, label tokens) of one batch, forward-only through the stages, on every stage."""
+    stacked = stack_micro_batches([batch])
+    schedule = runtime.schedule_for(tuple(stacked["input_ids"].shape), 1, None)
+    with runtime.module.driven(), torch.no_grad():
+        logits = schedule.step(*((stacked["input_ids"],) if runtime.layout.is_first else ()), **_side_inputs(stacked))
+    totals = torch.zeros(2, dtype=torch.float64)
+    if runtime.layout.is_last:
+        labels = stacked["labels"][..., 1:]
+        loss = F.cross_entropy(
+            logits[..., :-1, :].flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        totals += torch.tensor([float(loss), float((labels != IGNORE_INDEX).sum())], dtype=torch.float64)
+    dist.all_reduce(totals, group=runtime.group)
+    return totals
