@@ -24,6 +24,7 @@ import torch
 from benchmarks import (
     bench_activation_checkpointing,
     bench_compile,
+    bench_context_parallel,
     bench_from_config,
     bench_from_pretrained,
     bench_lora_step,
@@ -45,6 +46,7 @@ SUITE: dict[str, Callable[[], Table]] = {
     "compile": bench_compile.table,
     "lora_step": bench_lora_step.table,
     "pipeline": bench_pipeline.table,
+    "context_parallel": bench_context_parallel.table,
 }
 
 

@@ -32,7 +32,7 @@ _COMMANDS = ("finetune", "plan", "report")
 # The degrees besides tp, as DistributedSetup.build names them (flags spell them with dashes).
 _OTHER_DEGREES = {
     "dp_replicate_size": "data-parallel replicas (HSDP with fsdp2)",
-    "cp_size": "context-parallel degree (described by plan; not loadable yet)",
+    "cp_size": "context-parallel degree (fsdp2: each rank keeps a part of every sequence)",
     "pp_size": "pipeline-parallel stages (fsdp2; torch.distributed.pipelining)",
     "ep_size": "expert-parallel degree (described by plan; not loadable yet)",
 }

@@ -250,7 +250,7 @@ def test_prompt_completion_sft_with_mapped_columns_on_two_ranks(cache, tmp_path)
     _assert_loads_with_plain_transformers(tmp_path / "out")
 
 
-def test_sft_and_the_text_job_under_pipeline_parallel_on_two_ranks(cache, tmp_path):
+def test_sft_and_the_text_job_under_pipeline_and_context_parallel_on_two_ranks(cache, tmp_path):
     model = _chat_model(cache, tmp_path)
     data = _chat_file(tmp_path / "chat.jsonl", 16)
     sft = [sys.executable, "-m", "nemo_wrap.cli", "finetune", str(model), "--nproc", "2", "--pp-size", "2",
@@ -259,7 +259,9 @@ def test_sft_and_the_text_job_under_pipeline_parallel_on_two_ranks(cache, tmp_pa
     text = [sys.executable, "-m", "nemo_wrap.cli", "finetune", str(model), "--nproc", "2", "--pp-size", "2",
             "--pp-schedule", "gpipe", "--batch-size", "2", "--seq-len", "32", "--steps", "3",
             "--output-dir", str(tmp_path / "text")]
-    for command in (sft, text):
+    context = [sys.executable, "-m", "nemo_wrap.cli", "finetune", str(model), "--nproc", "2", "--cp-size", "2",
+               "--batch-size", "2", "--seq-len", "64", "--steps", "3", "--output-dir", str(tmp_path / "context")]
+    for command in (sft, context, text):
         completed = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
         assert completed.returncode == 0, completed.stderr[-3000:]
         first, last = _losses(completed.stdout)
@@ -267,3 +269,4 @@ def test_sft_and_the_text_job_under_pipeline_parallel_on_two_ranks(cache, tmp_pa
     assert "pipeline stage 1: layers" in completed.stdout  # the text job prints its plan
     assert (tmp_path / "sft" / "adapter_config.json").is_file()
     _assert_loads_with_plain_transformers(tmp_path / "text")
+    _assert_loads_with_plain_transformers(tmp_path / "context")

@@ -64,12 +64,14 @@ def test_bad_degrees_name_the_argument(kwargs, named):
 
 
 def test_unbuilt_degrees_are_planned_but_refused_at_load():
-    setup = DistributedSetup.build("fsdp2", 16, tp_size=2, cp_size=2, pp_size=2, ep_size=2)
+    setup = DistributedSetup.build("fsdp2", 16, tp_size=2, cp_size=2, ep_size=2)
     text = str(NeMoAutoModelForCausalLM.plan(tiny_config("llama"), setup))
-    for line in ("mesh (pp=2, dp=2, cp=2, tp=2)", "pipeline parallel over pp=2", "context parallel over cp=2",
-                 "expert parallel over ep=2", "tensor parallel over tp=2"):
+    for line in ("mesh (dp=4, cp=2, tp=2)", "context parallel over cp=2", "expert parallel over ep=2",
+                 "tensor parallel over tp=2"):
         assert line in text
-    with pytest.raises(UnsupportedSetupError, match="cp_size=2, ep_size=2: context and expert parallel"):
+    text = str(NeMoAutoModelForCausalLM.plan(tiny_config("llama"), DistributedSetup.build("fsdp2", 8, pp_size=2, tp_size=2)))
+    assert "mesh (pp=2, dp=2, tp=2)" in text and "pipeline parallel over pp=2" in text
+    with pytest.raises(UnsupportedSetupError, match="ep_size=2: expert parallel is planned but not built"):
         NeMoAutoModelForCausalLM.from_config(tiny_config("llama"), distributed_setup=setup)
 
 

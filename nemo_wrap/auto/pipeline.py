@@ -29,6 +29,11 @@ from nemo_wrap.auto.model_mixin import no_cache_while_training
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
 from nemo_wrap.distributed.collectives import RankGroup, collective_device, device_memory_bytes
+from nemo_wrap.distributed.context_parallel import (
+    CONTEXT_PARALLEL_ATTENTION,
+    check_context_parallel_supported,
+    register_context_parallel_attention,
+)
 from nemo_wrap.distributed.modules import decoder_layers
 from nemo_wrap.distributed.pipeline.runtime import build_runtime
 from nemo_wrap.distributed.pipeline.stage_model import (
@@ -125,6 +130,9 @@ class LoadPipeline:
 
     def build_on_meta(self) -> None:
         self.model = build_on_meta(loadable_class(self.source), self.config, self.dtype)
+        if self.setup is not None and self.setup.degrees.cp > 1 and not self.source.is_custom:
+            register_context_parallel_attention()  # transformers' families attend through the interface
+            self.model.set_attn_implementation(CONTEXT_PARALLEL_ATTENTION)
         self.model.register_forward_pre_hook(no_cache_while_training, with_kwargs=True)
         if self.setup is None:  # PEFT's own adapters, added after sharding, would be neither sharded nor synced
             expose_projections_to_peft(self.model, self.source)
@@ -301,6 +309,8 @@ def check_loadable(
         source.spec.check_checkpoint_keys(source.architecture, config.model_type)
     if setup is not None and setup.degrees.pp > 1:
         check_family_pipelinable(config.model_type, source.model_class.__name__)
+    if setup is not None and setup.degrees.cp > 1:
+        check_context_parallel_supported(config, source.is_custom, source.model_class.__name__, setup.degrees.pp)
     if setup is None or not setup.uses_tensor_parallel:
         return None
     plan = source.spec.parallel_plan()

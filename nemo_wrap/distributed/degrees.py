@@ -69,7 +69,11 @@ class ParallelDegrees:
         if self.tp > 1:
             lines.append(f"tensor parallel over tp={self.tp}")
         if self.cp > 1:
-            lines.append(f"context parallel over cp={self.cp} (sequences split; FSDP shards over dp_shard × cp)")
+            chunks = 2 * self.cp
+            lines.append(
+                f"context parallel over cp={self.cp}: every sequence cut in {chunks} chunks, each rank keeping "
+                f"chunks i and {chunks - 1}−i; attention all-gathers keys and values (FSDP shards over dp_shard × cp)"
+            )
         if self.pp > 1:
             lines.append(f"pipeline parallel over pp={self.pp} stages")
         if self.ep > 1:

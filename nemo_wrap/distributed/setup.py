@@ -166,12 +166,10 @@ class DistributedSetup:
 
     def check_buildable(self) -> None:
         """Refuse, before any work, the degrees a model cannot be loaded with yet (each has its issue)."""
-        unbuilt = {"cp_size": self.degrees.cp, "ep_size": self.degrees.ep}
-        given = [f"{name}={size}" for name, size in unbuilt.items() if size > 1]
-        if given:
+        if self.degrees.ep > 1:
             raise UnsupportedSetupError(
-                f"{', '.join(given)}: context and expert parallel are planned but not built yet; "
-                "plan() describes such a job, loading needs them at 1"
+                f"ep_size={self.degrees.ep}: expert parallel is planned but not built yet; "
+                "plan() describes such a job, loading needs ep_size=1"
             )
 
     def dp_rank(self) -> int:
@@ -182,6 +180,21 @@ class DistributedSetup:
     def dp_group(self) -> dist.ProcessGroup | None:
         """The data-parallel process group (losses and token counts are summed there), or None."""
         return self.device_mesh()["dp"].get_group() if self.dp_size > 1 else None
+
+    def cp_rank(self) -> int:
+        """This rank's place in its context-parallel group (which part of each sequence it keeps)."""
+        return self.device_mesh()["cp"].get_local_rank() if self.degrees.cp > 1 else 0
+
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The context-parallel group (its ranks see the same batch, each a part of every sequence)."""
+        return self.device_mesh()["cp"].get_group() if self.degrees.cp > 1 else None
+
+    def loss_group(self) -> dist.ProcessGroup | None:
+        """Where per-rank token-loss sums add up to the batch's: dp, times cp (each cp rank holds a
+        part of every sequence's tokens)."""
+        if self.degrees.cp == 1:
+            return self.dp_group()
+        return self.device_mesh()["dp_cp"].get_group()
 
     def pp_rank(self) -> int:
         """This rank's pipeline stage (0 … pp_size - 1); 0 without pipeline parallel."""
@@ -209,7 +222,21 @@ class DistributedSetup:
         if self._mesh_cache.get("group") is not world:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
             mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
-            if "dp_replicate" in self.mesh_dim_names:
-                mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torch's (torchtitan's) way to join dims
+            _flatten_joined_dims(mesh, self.mesh_dim_names)
             self._mesh_cache.update(group=world, mesh=mesh)
         return self._mesh_cache["mesh"]
+
+
+def _flatten_joined_dims(mesh: DeviceMesh, names: tuple[str, ...]) -> None:
+    """Name the joined dims torch's (torchtitan's) way, ``_flatten``: ``dp`` (data is dealt there)
+    from ``dp_replicate × dp_shard``; with context parallel, ``dp_cp`` (losses add up there) and
+    the dims FSDP shards over, ``dp_shard_cp`` (HSDP) — FSDP shards over dp_shard × cp."""
+    if "dp_replicate" in names:
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if "cp" not in names:
+        return
+    if "dp_replicate" in names:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    else:
+        mesh["dp", "cp"]._flatten("dp_cp")

@@ -15,9 +15,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nemo_wrap.distributed.model_state import pipeline_of
+from nemo_wrap.distributed.model_state import pipeline_of, setup_of
+from nemo_wrap.training.context_parallel_step import context_parallel_eval_totals
 from nemo_wrap.training.pipeline_step import pipeline_evaluate_totals
-from nemo_wrap.training.step import IGNORE_INDEX, data_parallel_group
+from nemo_wrap.training.step import IGNORE_INDEX
 
 
 def evaluate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) -> float:
@@ -28,25 +29,31 @@ def evaluate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) ->
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64)  # loss sum, token count
-    pipeline = pipeline_of(model)
+    setup = setup_of(model)
     try:
         with torch.no_grad():
             for batch in batches:
-                if pipeline is not None:  # forward-only through the stages
-                    totals += pipeline_evaluate_totals(model, pipeline, batch)
-                    continue
-                logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
-                labels = batch["labels"][..., 1:]
-                loss = F.cross_entropy(
-                    logits[..., :-1, :].flatten(0, -2).float(),
-                    labels.flatten(),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="sum",
-                )
-                totals += torch.tensor([float(loss), float((labels != IGNORE_INDEX).sum())], dtype=torch.float64)
+                totals += _batch_totals(model, batch, None if setup is None else setup.cp_group())
     finally:
         model.train(was_training)
-    group = data_parallel_group(model)
+    group = None if setup is None else setup.loss_group()  # dp (× cp: each cp rank holds a part)
     if group is not None:
         dist.all_reduce(totals, group=group)
     return float(totals[0] / totals[1])
+
+
+def _batch_totals(
+    model: nn.Module, batch: Mapping[str, torch.Tensor], cp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """(token-loss sum, label tokens) of this rank's share of one batch."""
+    pipeline = pipeline_of(model)
+    if pipeline is not None:  # forward-only through the stages
+        return pipeline_evaluate_totals(model, pipeline, batch)
+    if cp_group is not None:  # this rank's part of every sequence
+        return context_parallel_eval_totals(model, dict(batch), cp_group)
+    logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
+    labels = batch["labels"][..., 1:]
+    loss = F.cross_entropy(
+        logits[..., :-1, :].flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return torch.tensor([float(loss), float((labels != IGNORE_INDEX).sum())], dtype=torch.float64)

@@ -22,6 +22,7 @@ from torch import nn
 from nemo_wrap.distributed.model_state import pipeline_of, setup_of
 from nemo_wrap.training.accumulation import no_gradient_sync
 from nemo_wrap.training.clipping import clip_grad_norm_
+from nemo_wrap.training.context_parallel_step import context_parallel_backward
 from nemo_wrap.training.pipeline_step import (
     check_micro_batch_count,
     pipeline_clip_grad_norm_,
@@ -76,15 +77,18 @@ def train_step(
     pipeline = pipeline_of(model)
     if pipeline is not None:
         check_micro_batch_count(pipeline, len(micro_batches))  # before any collective
+    setup = setup_of(model)
     group = data_parallel_group(model)
     dp_size = 1 if group is None else dist.get_world_size(group)
     label_tokens = _count_label_tokens(micro_batches, group)
     if label_tokens == 0:
         raise ValueError("train_step: the micro-batches hold no label token on any rank (all labels are -100)")
+    cp_group = None if setup is None else setup.cp_group()
     if pipeline is not None:
         loss_sum = pipeline_forward_backward(model, pipeline, micro_batches, label_tokens, dp_size)
-    else:
-        loss_sum = _forward_backward(model, micro_batches, label_tokens, dp_size)
+    else:  # the managers average gradients over dp (× cp): scaled back, the step's sum over all tokens
+        scale = dp_size * (1 if cp_group is None else dist.get_world_size(cp_group))
+        loss_sum = _forward_backward(model, micro_batches, label_tokens, scale, cp_group)
     grad_norm = None
     if max_grad_norm is not None and pipeline is not None:
         grad_norm = float(pipeline_clip_grad_norm_(model, pipeline, max_grad_norm))
@@ -92,26 +96,35 @@ def train_step(
         grad_norm = float(clip_grad_norm_(model.parameters(), max_grad_norm))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if group is not None:
-        dist.all_reduce(loss_sum, group=group)
+    loss_group = None if setup is None else setup.loss_group()
+    if loss_group is not None:  # every data-parallel rank's tokens (and every cp rank's part of them)
+        dist.all_reduce(loss_sum, group=loss_group)
     return StepResult(loss=float(loss_sum), grad_norm=grad_norm, label_tokens=label_tokens)
 
 
 def _forward_backward(
-    model: nn.Module, micro_batches: Sequence[Mapping[str, torch.Tensor]], label_tokens: int, dp_size: int
+    model: nn.Module,
+    micro_batches: Sequence[Mapping[str, torch.Tensor]],
+    label_tokens: int,
+    scale: int,
+    cp_group: dist.ProcessGroup | None,
 ) -> torch.Tensor:
-    """Forward and backward each micro-batch in turn (gradients synced on the last); the loss sum."""
+    """Forward and backward each micro-batch in turn (gradients synced on the last); the loss sum.
+    Under context parallel each rank runs its part of every sequence (its losses are partial sums)."""
     loss_sum = torch.zeros(())
     for index, batch in enumerate(micro_batches):
         is_last = index == len(micro_batches) - 1
         with nullcontext() if is_last else no_gradient_sync(model):
-            output = model(
-                input_ids=batch["input_ids"],
-                attention_mask=batch.get("attention_mask"),
-                position_ids=batch.get("position_ids"),
-                labels=_labels_of(batch),
-                num_items_in_batch=label_tokens,
-            )
-            (output.loss * dp_size).backward()
-        loss_sum += output.loss.detach().float().cpu()
+            if cp_group is not None:
+                loss = context_parallel_backward(model, dict(batch), label_tokens, scale, cp_group)
+            else:
+                loss = model(
+                    input_ids=batch["input_ids"],
+                    attention_mask=batch.get("attention_mask"),
+                    position_ids=batch.get("position_ids"),
+                    labels=_labels_of(batch),
+                    num_items_in_batch=label_tokens,
+                ).loss
+                (loss * scale).backward()
+        loss_sum += loss.detach().float().cpu()
     return loss_sum

@@ -51,7 +51,7 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, options: FSDP2Options) -> nn
     """Shard parameters over the mesh's data-parallel dims — ``dp``, or ``(dp_replicate, dp_shard)``
     for HSDP; a size-1 axis (pure tensor parallel) is left alone."""
     names = mesh.mesh_dim_names or ()
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if "dp_replicate" in names else mesh["dp"]
+    dp_mesh = _sharding_mesh(mesh, names)
     if dp_mesh.size() == 1:
         return model
     mixed_precision = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype)
@@ -59,6 +59,14 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, options: FSDP2Options) -> nn
         fully_shard(layer, mesh=dp_mesh, mp_policy=mixed_precision, reshard_after_forward=options.reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mixed_precision, reshard_after_forward=options.reshard_after_forward)
     return model
+
+
+def _sharding_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The dims FSDP shards over: dp — times cp under context parallel (each cp rank computes
+    gradients for every parameter from its part of the sequence) — and HSDP's 2-D form."""
+    if "cp" in names:
+        return mesh["dp_replicate", "dp_shard_cp"] if "dp_replicate" in names else mesh["dp_cp"]
+    return mesh["dp_replicate", "dp_shard"] if "dp_replicate" in names else mesh["dp"]
 
 
 def with_mixed_precision(options: FSDP2Options, compute_dtype: torch.dtype, reduce_dtype: torch.dtype) -> FSDP2Options:

@@ -8,6 +8,7 @@ from torch.nn import functional as F
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
+from nemo_wrap.distributed.context_parallel import active_split, attend_across_split
 from nemo_wrap.models.common.layouts import QKVLayout
 from nemo_wrap.models.common.rope import apply_rotary
 
@@ -49,6 +50,11 @@ class FusedAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
 
+        split = active_split()
+        if split is not None:  # context parallel: this rank's queries over every rank's keys
+            dropout = self.attention_dropout if self.training else 0.0
+            attention = attend_across_split(split, query, key, value, self.scaling, dropout)
+            return self.o_proj(attention.transpose(1, 2).reshape(batch, seq, -1))
         # transformers' mask builders return None exactly when the mask is plain causal over equal
         # query and key lengths (or a single query token), which SDPA expresses with is_causal.
         attention = F.scaled_dot_product_attention(

@@ -1,0 +1,139 @@
+"""Exact attention across a context-parallel group, on gloo/CPU and on CUDA alike.
+
+Each rank's keys and values are all-gathered over the cp group (the Llama 3 paper's choice: cheap
+with grouped-query attention, whose keys and values are a fraction of the queries), and each rank's
+queries attend all of them through SDPA with the split's mask (global causal order, documents,
+sliding window). The backward of the gather sums every rank's gradient for a key and keeps this
+rank's part (an all-reduce, which gloo has; NCCL's reduce-scatter would do the same with less
+traffic). torch's ring attention (``context_parallel``) intercepts only the flash, memory-efficient
+and cuDNN kernels, none of which runs on a CPU.
+
+transformers' families reach this through their attention interface: a load with ``cp_size > 1``
+sets the model's implementation to :data:`CONTEXT_PARALLEL_ATTENTION`, registered (with the
+masks of ``"sdpa"``) the first time such a load happens. Outside an active split the function is
+transformers' SDPA attention, so the model still runs whole (``generate``, one-process evaluation).
+Our fused classes call :func:`attend_across_split` themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from nemo_wrap.distributed.context_parallel.sequence_split import SequenceSplit, active_split
+from nemo_wrap.errors import UnsupportedModelError
+
+CONTEXT_PARALLEL_ATTENTION = "nemo_context_parallel"
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence dim (2 of ``[rows, heads, seq, head_dim]``), rank by rank;
+    backward: the sum of every rank's gradient, this rank's part of it."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.length = group, dist.get_rank(group), local.shape[2]
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None]:
+        summed = gradient.contiguous()
+        dist.all_reduce(summed, group=ctx.group)
+        return summed[:, :, ctx.rank * ctx.length : (ctx.rank + 1) * ctx.length], None
+
+
+def attend_across_split(
+    split: SequenceSplit,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """``[rows, heads, L/C, head_dim]`` attention of this rank's queries over every rank's keys.
+
+    The gathered keys are put back in sequence order, and each of the rank's two query chunks
+    attends only the keys up to its last token: the early chunk sees a short prefix, and no mask
+    is larger than one chunk's queries by the keys it can see.
+    """
+    assert split.group is not None  # only a split of a real cp group (SequenceSplit.of) is made active
+    split.count_attention_call()
+    order = split.key_order.to(key.device)
+    keys = _GatherSequence.apply(key, split.group).index_select(2, order)
+    values = _GatherSequence.apply(value, split.group).index_select(2, order)
+    outputs = []
+    for chunk, (part, visible) in enumerate(split.query_chunks()):
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, part],
+                keys[:, :, :visible],
+                values[:, :, :visible],
+                attn_mask=split.chunk_mask(chunk, sliding_window).to(query.device),
+                dropout_p=dropout,
+                scale=scale,
+                enable_gqa=query.shape[1] != keys.shape[1],
+            )
+        )
+    return torch.cat(outputs, dim=2)
+
+
+def context_parallel_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface signature; transformers' SDPA outside an active split.
+
+    Under a split the mask transformers built (for this rank's part alone) is replaced by the
+    split's; what SDPA cannot express here is refused by name rather than computed wrongly.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    split = active_split()
+    if split is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__}: attention with logit soft-capping or a position bias cannot run "
+            "under context parallel"
+        )
+    output = attend_across_split(split, query, key, value, scaling, dropout, kwargs.get("sliding_window"))
+    return output.transpose(1, 2).contiguous(), None
+
+
+def register_context_parallel_attention() -> None:
+    """Register :func:`context_parallel_attention` under :data:`CONTEXT_PARALLEL_ATTENTION` in
+    transformers' attention interface, with the ``"sdpa"`` mask builder (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(CONTEXT_PARALLEL_ATTENTION, context_parallel_attention)
+    AttentionMaskInterface.register(CONTEXT_PARALLEL_ATTENTION, sdpa_mask)
+
+
+def check_context_parallel_supported(config: Any, is_custom: bool, class_name: str, pp_size: int) -> None:
+    """Refuse by name, before anything is built, what the context-parallel attention cannot take."""
+    text = config.get_text_config()
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        raise UnsupportedModelError(
+            f"{class_name}: attention logit soft-capping (attn_logit_softcapping) is not built under context parallel"
+        )
+    if is_custom and "sliding_attention" in (getattr(text, "layer_types", None) or ()):
+        raise UnsupportedModelError(
+            f"{class_name}: our fused class with sliding-window layers is not built under context parallel; "
+            "load with force_hf=True (transformers' class passes its window to the attention)"
+        )
+    if pp_size > 1:
+        raise UnsupportedModelError(f"{class_name}: cp_size > 1 with pp_size > 1 is not built; choose one of them")
