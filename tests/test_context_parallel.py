@@ -171,9 +171,10 @@ def test_packed_rows_activation_checkpointing_and_lora_under_context_parallel(ra
 
 @pytest.mark.parametrize(
     ("degrees", "kind"),
-    [({"cp_size": 4}, "fused-llama"), ({"cp_size": 2}, "fused-qwen3"), ({"cp_size": 2, "tp_size": 2}, "fused-llama"),
+    [({"cp_size": 4}, "fused-llama"), ({"cp_size": 4}, "fused-qwen3"), ({"cp_size": 4}, "fallback-mistral"),
+     ({"cp_size": 2}, "fused-qwen3"), ({"cp_size": 2, "tp_size": 2}, "fused-llama"),
      ({"cp_size": 2, "tp_size": 2}, "fallback-mistral"), ({"cp_size": 2, "dp_replicate_size": 2}, "fused-llama")],
-    ids=["cp4", "cp2-dp_shard2", "cp2-tp2", "cp2-tp2-fallback", "cp2-hsdp"],
+    ids=["cp4", "cp4-qwen3", "cp4-fallback", "cp2-dp_shard2", "cp2-tp2", "cp2-tp2-fallback", "cp2-hsdp"],
 )
 def test_four_ranks_of_context_parallel_compose_with_fsdp_and_tensor_parallel(ranks4, tmp_path, degrees, kind):
     tiny, overrides = KINDS[kind]
@@ -195,3 +196,20 @@ def test_bf16_mixed_under_context_parallel_follows_one_process(ranks2, tmp_path)
     expected = [train_step(model, optimizer, _local_micro_batches(step, 0, 1, 2)).loss for step in range(3)]
     for losses in ranks2.run(case_mixed_precision, str(checkpoint)):  # bf16 compute: close, not equal
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-2, atol=0)
+
+
+def case_attention_outside_the_interface(checkpoint: str) -> str:
+    setup = DistributedSetup.build("fsdp2", 2, cp_size=2)
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, distributed_setup=setup)
+    model.set_attn_implementation("sdpa")  # as a family computing attention itself would: the cut is bypassed
+    try:
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _local_micro_batches(0, 0, 1, 1))
+    except UnsupportedModelError as error:
+        return str(error)
+    return "trained"
+
+
+def test_attention_that_bypasses_the_cut_is_caught_not_computed_within_a_part(ranks2, tmp_path):
+    checkpoint = write_checkpoint(tmp_path / "ckpt", "mistral", "random", tie=False)
+    for outcome in ranks2.run(case_attention_outside_the_interface, str(checkpoint)):
+        assert "does not go through transformers' attention interface" in outcome

@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from nemo_wrap.distributed.context_parallel.sequence_split import SequenceSplit, active_split
 from nemo_wrap.errors import UnsupportedModelError
@@ -99,8 +102,6 @@ def context_parallel_attention(
     Under a split the mask transformers built (for this rank's part alone) is replaced by the
     split's; what SDPA cannot express here is refused by name rather than computed wrongly.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     split = active_split()
     if split is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
@@ -116,9 +117,6 @@ def context_parallel_attention(
 def register_context_parallel_attention() -> None:
     """Register :func:`context_parallel_attention` under :data:`CONTEXT_PARALLEL_ATTENTION` in
     transformers' attention interface, with the ``"sdpa"`` mask builder (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register(CONTEXT_PARALLEL_ATTENTION, context_parallel_attention)
     AttentionMaskInterface.register(CONTEXT_PARALLEL_ATTENTION, sdpa_mask)
 
