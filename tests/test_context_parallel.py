@@ -104,7 +104,16 @@ def _packed_batch() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": ids, "position_ids": positions, "labels": labels}]
 
 
-def _batches(step: int, dp_rank: int, dp_size: int, packed: bool) -> list[dict[str, torch.Tensor]]:
+def _unpadded_batches(step: int, dp_rank: int, dp_size: int) -> list[dict[str, torch.Tensor]]:
+    """Rows of one document each and no padding: the attention that needs no mask (on the CPU)."""
+    rows = torch.randint(4, 257, (4, 18), generator=torch.Generator().manual_seed(step))
+    mine = rows[dp_rank * 4 // dp_size : (dp_rank + 1) * 4 // dp_size]
+    return [{"input_ids": mine[i : i + 1]} for i in range(mine.shape[0])]
+
+
+def _batches(step: int, dp_rank: int, dp_size: int, packed) -> list[dict[str, torch.Tensor]]:
+    if packed == "unpadded":
+        return _unpadded_batches(step, dp_rank, dp_size)
     return _packed_batch() if packed else _local_micro_batches(step, dp_rank, dp_size, 2 // dp_size)
 
 
@@ -153,12 +162,13 @@ def test_two_ranks_of_context_parallel_equal_one_process(ranks2, tmp_path, kind)
 
 
 @pytest.mark.parametrize(("packed", "checkpointing", "lora"), [(True, False, False), (False, True, False),
-                                                               (False, False, True)], ids=["packed", "checkpointing", "lora"])  # fmt: skip
+                          (False, False, True), ("unpadded", False, False), ("unpadded", True, False)],
+                         ids=["packed", "checkpointing", "lora", "unpadded", "unpadded-checkpointing"])  # fmt: skip
 def test_packed_rows_activation_checkpointing_and_lora_under_context_parallel(ranks2, tmp_path, packed, checkpointing, lora):
     checkpoint = write_checkpoint(tmp_path / "ckpt", "own-llama", "random", tie=True)
     results = ranks2.run(case_context_parallel, str(checkpoint), {"cp_size": 2}, packed, checkpointing, lora)
     _check(results, checkpoint, packed, lora)
-    if packed:  # the packed row's loss is its examples' one by one: no token attended across examples
+    if packed is True:  # the packed row's loss is its examples' one by one: no token attended across examples
         model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint)
         batch = _packed_batch()[0]
         total, tokens = 0.0, 0

@@ -10,8 +10,9 @@ and cuDNN kernels, none of which runs on a CPU.
 
 transformers' families reach this through their attention interface: a load with ``cp_size > 1``
 sets the model's implementation to :data:`CONTEXT_PARALLEL_ATTENTION`, registered (with the
-masks of ``"sdpa"``) the first time such a load happens. Outside an active split the function is
-transformers' SDPA attention, so the model still runs whole (``generate``, one-process evaluation).
+masks of ``"sdpa"`` outside a cut, none under one) the first time such a load happens. Outside
+an active split the function is transformers' SDPA attention, so the model still runs whole
+(``generate``, one-process evaluation).
 Our fused classes call :func:`attend_across_split` themselves.
 """
 
@@ -51,6 +52,72 @@ class _GatherSequence(torch.autograd.Function):
         return summed[:, :, ctx.rank * ctx.length : (ctx.rank + 1) * ctx.length], None
 
 
+class _PrefixThenCausal(torch.autograd.Function):
+    """CPU attention of a query chunk (global indices ``[prefix, prefix + m)``) over keys ``[0, prefix + m)``
+    in sequence order, without a mask: the prefix fully, the chunk's own keys causally, the two
+    merged by their log-sum-exps — and in backward each block's gradients from the merged output
+    and log-sum-exp (as ring attention does). torch's CPU flash kernel returns the log-sum-exp."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix: int, scale: float | None
+    ) -> torch.Tensor:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out, lse = flash(query, key[:, :, prefix:], value[:, :, prefix:], 0.0, True, scale=scale)
+        if prefix:
+            before, lse_before = flash(query, key[:, :, :prefix], value[:, :, :prefix], 0.0, False, scale=scale)
+            merged = torch.logaddexp(lse_before, lse)
+            out = before * torch.exp(lse_before - merged)[..., None] + out * torch.exp(lse - merged)[..., None]
+            out, lse = out.to(query.dtype), merged
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.prefix, ctx.scale = prefix, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        query, key, value, out, lse = ctx.saved_tensors
+        prefix, gradient = ctx.prefix, gradient.contiguous()
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        d_query, d_key, d_value = backward(
+            gradient, query, key[:, :, prefix:], value[:, :, prefix:], out, lse, 0.0, True, scale=ctx.scale
+        )
+        if prefix:
+            d_query_before, d_key_before, d_value_before = backward(
+                gradient, query, key[:, :, :prefix], value[:, :, :prefix], out, lse, 0.0, False, scale=ctx.scale
+            )
+            d_query = d_query + d_query_before
+            d_key, d_value = torch.cat([d_key_before, d_key], 2), torch.cat([d_value_before, d_value], 2)
+        return d_query, d_key, d_value, None, None
+
+
+def _chunk_attention(
+    split: SequenceSplit,
+    chunk: int,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float | None,
+    dropout: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One query chunk over the keys (sequence order) up to its last token."""
+    part, visible = split.query_chunks()[chunk]
+    chunk_query, keys, values = query[:, :, part], keys[:, :, :visible], values[:, :, :visible]
+    if split.is_plain(sliding_window) and dropout == 0.0 and query.device.type == "cpu":  # no mask at all
+        groups = query.shape[1] // keys.shape[1]
+        keys, values = (t.repeat_interleave(groups, dim=1).to(query.dtype) for t in (keys, values))  # one dtype
+        return _PrefixThenCausal.apply(chunk_query, keys, values, visible - chunk_query.shape[2], scale)
+    return F.scaled_dot_product_attention(
+        chunk_query,
+        keys,
+        values,
+        attn_mask=split.chunk_mask(chunk, sliding_window).to(query.device),
+        dropout_p=dropout,
+        scale=scale,
+        enable_gqa=query.shape[1] != keys.shape[1],
+    )
+
+
 def attend_across_split(
     split: SequenceSplit,
     query: torch.Tensor,
@@ -63,27 +130,18 @@ def attend_across_split(
     """``[rows, heads, L/C, head_dim]`` attention of this rank's queries over every rank's keys.
 
     The gathered keys are put back in sequence order, and each of the rank's two query chunks
-    attends only the keys up to its last token: the early chunk sees a short prefix, and no mask
-    is larger than one chunk's queries by the keys it can see.
+    attends only the keys up to its last token: the early chunk sees a short prefix. A row of one
+    document with every key valid and no window needs no mask (on the CPU, :class:`_PrefixThenCausal`);
+    otherwise the mask is one chunk's queries by the keys it can see.
     """
     assert split.group is not None  # only a split of a real cp group (SequenceSplit.of) is made active
     split.count_attention_call()
     order = split.key_order.to(key.device)
     keys = _GatherSequence.apply(key, split.group).index_select(2, order)
     values = _GatherSequence.apply(value, split.group).index_select(2, order)
-    outputs = []
-    for chunk, (part, visible) in enumerate(split.query_chunks()):
-        outputs.append(
-            F.scaled_dot_product_attention(
-                query[:, :, part],
-                keys[:, :, :visible],
-                values[:, :, :visible],
-                attn_mask=split.chunk_mask(chunk, sliding_window).to(query.device),
-                dropout_p=dropout,
-                scale=scale,
-                enable_gqa=query.shape[1] != keys.shape[1],
-            )
-        )
+    outputs = [
+        _chunk_attention(split, chunk, query, keys, values, scale, dropout, sliding_window) for chunk in range(2)
+    ]
     return torch.cat(outputs, dim=2)
 
 
@@ -118,7 +176,14 @@ def register_context_parallel_attention() -> None:
     """Register :func:`context_parallel_attention` under :data:`CONTEXT_PARALLEL_ATTENTION` in
     transformers' attention interface, with the ``"sdpa"`` mask builder (idempotent)."""
     AttentionInterface.register(CONTEXT_PARALLEL_ATTENTION, context_parallel_attention)
-    AttentionMaskInterface.register(CONTEXT_PARALLEL_ATTENTION, sdpa_mask)
+    AttentionMaskInterface.register(CONTEXT_PARALLEL_ATTENTION, _context_parallel_mask)
+
+
+def _context_parallel_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' SDPA mask outside a cut; none under one — the split makes its own, and a mask
+    for this rank's part alone (its positions jump between chunks, which reads as packed rows) would
+    cost ``(L/C)²`` for nothing."""
+    return None if active_split() is not None else sdpa_mask(*args, **kwargs)
 
 
 def check_context_parallel_supported(config: Any, is_custom: bool, class_name: str, pp_size: int) -> None:

@@ -127,6 +127,14 @@ class SequenceSplit:
         every rank's keys back in sequence order."""
         return torch.argsort(self.key_index)
 
+    def is_plain(self, sliding_window: int | None) -> bool:
+        """Whether plain causal attention is exact for every real token: one document per row, no
+        window, and padding (if any) only at the right end — no real token comes after a pad, so none
+        attends one; what a pad attends reaches no real token."""
+        one_document = bool((self.documents == self.documents[:, :1]).all())
+        right_padded = bool((self.valid[:, 1:] <= self.valid[:, :-1]).all())
+        return one_document and right_padded and sliding_window is None
+
     def query_chunks(self) -> list[tuple[slice, int]]:
         """This rank's two chunks of queries (a slice of its tokens each) and, for each, how many
         keys in sequence order it can see at most (causal: up to its last token)."""

@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from nemo_wrap.distributed.context_parallel import active_split
 from nemo_wrap.errors import InvalidModelInputError, UnsupportedModelConfigError
 from nemo_wrap.models.common.norm import RMSNorm
 from nemo_wrap.models.common.rope import RotaryEmbedding
@@ -149,9 +150,12 @@ class DecoderModel(nn.Module):
         cache: Cache | None,
         position_ids: torch.Tensor,
     ) -> dict[str, torch.Tensor | None]:
-        """One mask per layer type, from transformers' own builders (or as ``generate`` built them)."""
+        """One mask per layer type, from transformers' own builders (or as ``generate`` built them);
+        none under context parallel, whose split makes its own over every rank's keys."""
         if isinstance(attention_mask, dict):
             return dict(attention_mask)
+        if active_split() is not None:
+            return dict.fromkeys(self.layer_types, None)
         return {
             layer_type: _MASK_BUILDERS[layer_type](
                 config=self.config,
