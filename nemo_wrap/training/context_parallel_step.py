@@ -14,12 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from nemo_wrap.distributed.context_parallel import SequenceSplit
-
-IGNORE_INDEX = -100
+from nemo_wrap.training.token_loss import causal_lm_loss, token_loss_totals
 
 
 def _local_logits(model: Any, split: SequenceSplit) -> torch.Tensor:
@@ -32,17 +30,9 @@ def context_parallel_backward(
     model: nn.Module, batch: dict[str, torch.Tensor], label_tokens: int, scale: float, group: dist.ProcessGroup
 ) -> torch.Tensor:
     """Forward this rank's part of ``batch``, back-propagate ``loss · scale``; return the loss."""
-    causal_lm: Any = model
     split = SequenceSplit.of(batch, group)
     with split.active():
-        logits = _local_logits(causal_lm, split)
-        loss = causal_lm.loss_function(
-            logits=logits,
-            labels=None,
-            shift_labels=split.shift_labels,
-            vocab_size=causal_lm.config.vocab_size,
-            num_items_in_batch=label_tokens,
-        )
+        loss = causal_lm_loss(model, _local_logits(model, split), label_tokens, shift_labels=split.shift_labels)
         (loss * scale).backward()
     return loss.detach()
 
@@ -54,6 +44,4 @@ def context_parallel_eval_totals(
     split = SequenceSplit.of(batch, group)
     with split.active():
         logits = _local_logits(model, split)
-    labels = split.shift_labels
-    loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    return torch.tensor([float(loss), float((labels != IGNORE_INDEX).sum())], dtype=torch.float64)
+    return token_loss_totals(logits, split.shift_labels)

@@ -12,13 +12,12 @@ from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from nemo_wrap.distributed.model_state import pipeline_of, setup_of
 from nemo_wrap.training.context_parallel_step import context_parallel_eval_totals
 from nemo_wrap.training.pipeline_step import pipeline_evaluate_totals
-from nemo_wrap.training.step import IGNORE_INDEX
+from nemo_wrap.training.token_loss import token_loss_totals
 
 
 def evaluate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) -> float:
@@ -52,8 +51,4 @@ def _batch_totals(
     if cp_group is not None:  # this rank's part of every sequence
         return context_parallel_eval_totals(model, dict(batch), cp_group)
     logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
-    labels = batch["labels"][..., 1:]
-    loss = F.cross_entropy(
-        logits[..., :-1, :].flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    return torch.tensor([float(loss), float((labels != IGNORE_INDEX).sum())], dtype=torch.float64)
+    return token_loss_totals(logits[..., :-1, :], batch["labels"][..., 1:])

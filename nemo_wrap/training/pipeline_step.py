@@ -15,7 +15,6 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -23,8 +22,8 @@ from nemo_wrap.distributed.pipeline.runtime import PipelineRuntime
 from nemo_wrap.errors import InvalidModelInputError, InvalidSetupError
 from nemo_wrap.initialization.geometry import local_shard
 from nemo_wrap.training.clipping import gradient_norm, scale_gradients_
+from nemo_wrap.training.token_loss import IGNORE_INDEX, causal_lm_loss, token_loss_totals
 
-IGNORE_INDEX = -100
 _PADDING = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
 
 
@@ -49,14 +48,9 @@ def pipeline_forward_backward(
     stacked = stack_micro_batches(micro_batches)
     layout = runtime.layout
 
-    causal_lm: Any = model  # a transformers causal LM: its config and transformers' loss
-
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int) -> torch.Tensor:
-        vocab_size = causal_lm.config.vocab_size
-        loss = causal_lm.loss_function(
-            logits=logits, labels=labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch
-        )
-        return loss * dp_size  # undoes the data-parallel gradient averaging, as the one-stage step does
+        # times dp: undoes the data-parallel gradient averaging, as the one-stage step does
+        return causal_lm_loss(model, logits, num_items_in_batch, labels=labels) * dp_size
 
     rows = micro_batches[0]["input_ids"].shape[0]
     schedule = runtime.schedule_for((rows, stacked["input_ids"].shape[1]), len(micro_batches), loss_fn)
@@ -155,10 +149,6 @@ def pipeline_evaluate_totals(
         logits = schedule.step(*((stacked["input_ids"],) if runtime.layout.is_first else ()), **_side_inputs(stacked))
     totals = torch.zeros(2, dtype=torch.float64)
     if runtime.layout.is_last:
-        labels = stacked["labels"][..., 1:]
-        loss = F.cross_entropy(
-            logits[..., :-1, :].flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        totals += torch.tensor([float(loss), float((labels != IGNORE_INDEX).sum())], dtype=torch.float64)
+        totals += token_loss_totals(logits[..., :-1, :], stacked["labels"][..., 1:])
     dist.all_reduce(totals, group=runtime.group)
     return totals

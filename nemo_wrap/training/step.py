@@ -28,8 +28,7 @@ from nemo_wrap.training.pipeline_step import (
     pipeline_clip_grad_norm_,
     pipeline_forward_backward,
 )
-
-IGNORE_INDEX = -100
+from nemo_wrap.training.token_loss import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -39,12 +38,6 @@ class StepResult:
     loss: float
     grad_norm: float | None
     label_tokens: int
-
-
-def data_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
-    """The data-parallel process group of a model sharded by nemo_wrap, or None (one replica)."""
-    setup = setup_of(model)
-    return None if setup is None else setup.dp_group()
 
 
 def _labels_of(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -78,7 +71,7 @@ def train_step(
     if pipeline is not None:
         check_micro_batch_count(pipeline, len(micro_batches))  # before any collective
     setup = setup_of(model)
-    group = data_parallel_group(model)
+    group = None if setup is None else setup.dp_group()  # the label tokens are counted over dp
     dp_size = 1 if group is None else dist.get_world_size(group)
     label_tokens = _count_label_tokens(micro_batches, group)
     if label_tokens == 0:

@@ -59,8 +59,6 @@ class SequenceSplit:
     """
 
     group: dist.ProcessGroup | None
-    rank: int
-    size: int
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     shift_labels: torch.Tensor
@@ -98,7 +96,7 @@ class SequenceSplit:
             valid = torch.cat([valid, torch.zeros((rows, pad), dtype=torch.bool)], dim=1)
         mine = _chunk_indices(length + pad, rank, size)
         everyone = torch.cat([_chunk_indices(length + pad, r, size) for r in range(size)])
-        return cls(group, rank, size, ids[:, mine], positions[:, mine], shift[:, mine], mine, everyone,
+        return cls(group, ids[:, mine], positions[:, mine], shift[:, mine], mine, everyone,
                    _documents(positions), valid)  # fmt: skip
 
     def count_attention_call(self) -> None:

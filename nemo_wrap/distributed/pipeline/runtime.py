@@ -35,7 +35,6 @@ class PipelineRuntime:
       tied input embedding (their gradients for it are summed), else ``None``.
     """
 
-    layout: StageLayout
     schedule: str
     module: PipelineStageModule
     stage_ranks: tuple[tuple[int, ...], ...]
@@ -43,6 +42,11 @@ class PipelineRuntime:
     stage_group: dist.ProcessGroup
     tie_group: dist.ProcessGroup | None
     _schedules: dict[tuple, PipelineScheduleSingle] = field(default_factory=dict, repr=False)
+
+    @property
+    def layout(self) -> StageLayout:
+        """What this stage holds (its module's layout)."""
+        return self.module.layout
 
     def schedule_for(
         self, shape: tuple[int, ...], micro_batches: int, loss_fn: LossFunction | None
@@ -74,4 +78,4 @@ def build_runtime(
             created = dist.new_group([first, last])
             tie_group = created if rank in (first, last) else tie_group
     assert stage_group is not None  # every rank is in one stage
-    return PipelineRuntime(module.layout, schedule, module, tuple(per_stage), pp_group, stage_group, tie_group)
+    return PipelineRuntime(schedule, module, tuple(per_stage), pp_group, stage_group, tie_group)

@@ -74,7 +74,8 @@ class ModuleOnAnotherStage(nn.Module):
 
 
 def check_pipeline_supported(model: PreTrainedModel) -> None:
-    """Raise :class:`UnsupportedModelError` naming what a family lacks for pipeline stages."""
+    """Raise :class:`UnsupportedModelError` naming what a family's structure lacks for pipeline stages
+    (its model type was checked with :func:`check_family_pipelinable` before anything was built)."""
     backbone: Any = model.base_model
     missing = [
         f"{type(backbone).__name__}.{name}"
@@ -88,7 +89,6 @@ def check_pipeline_supported(model: PreTrainedModel) -> None:
             f"{type(model).__name__}: pipeline parallel needs transformers' decoder layout "
             f"(<backbone>.layers as a ModuleList, .embed_tokens, .norm, lm_head); missing {missing or ['layers list']}"
         )
-    check_family_pipelinable(model.config.model_type, type(model).__name__)
 
 
 def check_family_pipelinable(model_type: str, class_name: str) -> None:
