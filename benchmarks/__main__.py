@@ -25,6 +25,7 @@ from benchmarks import (
     bench_activation_checkpointing,
     bench_compile,
     bench_context_parallel,
+    bench_expert_parallel,
     bench_from_config,
     bench_from_pretrained,
     bench_lora_step,
@@ -47,6 +48,8 @@ SUITE: dict[str, Callable[[], Table]] = {
     "lora_step": bench_lora_step.table,
     "pipeline": bench_pipeline.table,
     "context_parallel": bench_context_parallel.table,
+    "expert_parallel": bench_expert_parallel.table,
+    "moe_save": bench_expert_parallel.save_table,
 }
 
 

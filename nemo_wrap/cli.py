@@ -34,7 +34,7 @@ _OTHER_DEGREES = {
     "dp_replicate_size": "data-parallel replicas (HSDP with fsdp2)",
     "cp_size": "context-parallel degree (fsdp2: each rank keeps a part of every sequence)",
     "pp_size": "pipeline-parallel stages (fsdp2; torch.distributed.pipelining)",
-    "ep_size": "expert-parallel degree (described by plan; not loadable yet)",
+    "ep_size": "expert-parallel degree: each MoE layer's experts split over this many ranks (fsdp2)",
 }
 DEFAULT_OUTPUT_DIR = "nemo_wrap_output"
 

@@ -17,6 +17,7 @@ from nemo_wrap.training import train_step
 from tests.checkpoints import write_checkpoint
 from tests.test_from_pretrained import _local_bytes
 from tests.test_strategy_parity import _local_micro_batches
+from tests.families import family_config
 from tests.tiny_models import tiny_config
 
 
@@ -63,16 +64,21 @@ def test_bad_degrees_name_the_argument(kwargs, named):
     assert named in str(excinfo.value)
 
 
-def test_unbuilt_degrees_are_planned_but_refused_at_load():
-    setup = DistributedSetup.build("fsdp2", 16, tp_size=2, cp_size=2, ep_size=2)
-    text = str(NeMoAutoModelForCausalLM.plan(tiny_config("llama"), setup))
-    for line in ("mesh (dp=4, cp=2, tp=2)", "context parallel over cp=2", "expert parallel over ep=2",
-                 "tensor parallel over tp=2"):
+def test_every_degree_is_planned_and_unbuilt_combinations_are_refused_in_plan_and_load():
+    text = str(NeMoAutoModelForCausalLM.plan(tiny_config("llama"), DistributedSetup.build("fsdp2", 16, tp_size=2, cp_size=2)))
+    for line in ("mesh (dp=4, cp=2, tp=2)", "context parallel over cp=2", "tensor parallel over tp=2"):
         assert line in text
     text = str(NeMoAutoModelForCausalLM.plan(tiny_config("llama"), DistributedSetup.build("fsdp2", 8, pp_size=2, tp_size=2)))
     assert "mesh (pp=2, dp=2, tp=2)" in text and "pipeline parallel over pp=2" in text
-    with pytest.raises(UnsupportedSetupError, match="ep_size=2: expert parallel is planned but not built"):
-        NeMoAutoModelForCausalLM.from_config(tiny_config("llama"), distributed_setup=setup)
+    mixtral = family_config("mixtral")
+    text = str(NeMoAutoModelForCausalLM.plan(mixtral, DistributedSetup.build("fsdp2", 8, tp_size=2, ep_size=4)))
+    assert "expert parallel over ep=4 of the dp_shard × cp × tp ranks (expert mesh efsdp=2, ep=4)" in text
+    for other in ("cp_size", "pp_size"):
+        setup = DistributedSetup.build("fsdp2", 8, ep_size=2, **{other: 2})
+        with pytest.raises(UnsupportedSetupError, match=f"ep_size=2 with {other}=2"):
+            NeMoAutoModelForCausalLM.plan(mixtral, setup)
+        with pytest.raises(UnsupportedSetupError, match=f"ep_size=2 with {other}=2"):
+            NeMoAutoModelForCausalLM.from_config(mixtral, distributed_setup=setup)
 
 
 def test_cli_plan_prints_every_degree(capsys):

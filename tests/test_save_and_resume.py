@@ -191,14 +191,14 @@ _KILLED_SAVE = textwrap.dedent(
     from nemo_wrap.checkpoint import save as save_module
     from tests.tiny_models import tiny_config
 
-    write = save_module.save_file
+    finish = save_module._FileWriter.finish
 
-    def write_then_stall(tensors, path, metadata=None):  # the parent kills us here, mid-save
-        write(tensors, path, metadata=metadata)
+    def write_then_stall(writer):  # the first file is complete: the parent kills us here, mid-save
+        finish(writer)
         Path({marker!r}).touch()
         time.sleep(600)
 
-    save_module.save_file = write_then_stall
+    save_module._FileWriter.finish = write_then_stall
     model = NeMoAutoModelForCausalLM.from_config(tiny_config("llama"), seed=99, force_hf=True)
     model.save_pretrained({target!r}, max_shard_size="100KB")
     """
@@ -296,17 +296,21 @@ def test_save_from_fsdp2_over_tensor_parallel_loads_in_transformers(ranks4, tmp_
 def case_failing_save(directory: str, failure: str) -> dict:
     """Save into ``directory`` while rank 0 fails (``failure`` says how); report the error and seconds."""
     model = _build("own", False, _setup("fsdp2", 1))
-    write = save_module.save_file
-    written = []
+    stream = save_module.SafetensorsStream
+    opened = []
 
-    def fail_on_second_file(tensors, path, metadata=None):
-        written.append(path)
-        if len(written) == 2:
-            raise OSError(28, "No space left on device", str(path))
-        write(tensors, path, metadata=metadata)
+    class FailingInSecondFile(stream):
+        def __init__(self, path, layout):
+            super().__init__(path, layout)
+            opened.append(path)
+
+        def write(self, key, tensor):  # the disk fills up half-way through the second file
+            if len(opened) == 2:
+                raise OSError(28, "No space left on device", str(opened[-1]))
+            super().write(key, tensor)
 
     if failure == "disk full" and torch.distributed.get_rank() == 0:
-        save_module.save_file = fail_on_second_file
+        save_module.SafetensorsStream = FailingInSecondFile
     start = time.monotonic()
     try:
         model.save_pretrained(directory, max_shard_size=SMALL_SHARDS)
@@ -314,7 +318,7 @@ def case_failing_save(directory: str, failure: str) -> dict:
         cause = None if error.__cause__ is None else type(error.__cause__)
         return {"message": str(error), "cause": cause, "seconds": time.monotonic() - start}
     finally:
-        save_module.save_file = write
+        save_module.SafetensorsStream = stream
     return {"message": "no error", "cause": None, "seconds": time.monotonic() - start}
 
 

@@ -22,6 +22,7 @@ from nemo_wrap.checkpoint.locate import Checkpoint, open_checkpoint, require_ins
 from nemo_wrap.checkpoint.peft_adapter import open_adapter
 from nemo_wrap.checkpoint.strict_json import read_json_file
 from nemo_wrap.distributed.collectives import RankGroup
+from nemo_wrap.distributed.expert_parallel import expert_layout
 from nemo_wrap.distributed.pipeline import StageLayout, stage_layouts
 from nemo_wrap.distributed.precision import Precision, parameter_dtype, precision_plan
 from nemo_wrap.distributed.setup import DistributedSetup
@@ -184,8 +185,9 @@ def _make_plan(
         options.precision, parameters, strategy, dp_size, None if setup is None else setup.options
     )
     key_mapping = source.spec.key_mapping(source.architecture, config.model_type)
+    experts = None if setup is None else expert_layout(config, source.model_class, setup.degrees)
     return make_load_plan(source.model_class.__name__, source.is_custom, source.reason, setup, has_checkpoint, options,
-                          key_mapping, precision, _pipeline_stages(config, setup))  # fmt: skip
+                          key_mapping, precision, _pipeline_stages(config, setup), experts)  # fmt: skip
 
 
 def _pipeline_stages(config: PretrainedConfig, setup: DistributedSetup | None) -> tuple[StageLayout, ...]:

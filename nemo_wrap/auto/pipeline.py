@@ -34,6 +34,7 @@ from nemo_wrap.distributed.context_parallel import (
     check_context_parallel_supported,
     register_context_parallel_attention,
 )
+from nemo_wrap.distributed.expert_parallel import expert_layout
 from nemo_wrap.distributed.modules import decoder_layers
 from nemo_wrap.distributed.pipeline.runtime import build_runtime
 from nemo_wrap.distributed.pipeline.stage_model import (
@@ -120,7 +121,6 @@ class LoadPipeline:
     def check_preconditions(self) -> None:
         """Local checks every rank makes alike, before any allocation or collective."""
         if self.setup is not None:
-            self.setup.check_buildable()
             self.setup.entry.check_available()
         keys = None if self.checkpoint is None else checkpoint_shapes(self.checkpoint).keys()
         self.tp_plan = check_loadable(self.source, self.config, self.setup, keys)
@@ -169,7 +169,9 @@ class LoadPipeline:
         assert self.setup is not None  # the plan has a shard step only with a setup
         state = self.model.nemo_state
         stage = None if state.pipeline is None else state.pipeline.module  # the stage's FSDP root
-        self.model = shard_model(self.model, self.setup, self.tp_plan, self.plan.precision, root=stage)
+        self.model = shard_model(
+            self.model, self.setup, self.tp_plan, self.plan.precision, root=stage, experts=self.plan.experts
+        )
         state.setup = self.setup
 
     def compile_layers(self) -> None:
@@ -304,6 +306,8 @@ def check_loadable(
     may describe a job for another machine.)
     """
     check_config_sizes(config)
+    if setup is not None:
+        setup.check_buildable()
     if checkpoint_keys is not None:
         check_layer_count(config, loadable_class(source), checkpoint_keys)
         source.spec.check_checkpoint_keys(source.architecture, config.model_type)
@@ -311,9 +315,12 @@ def check_loadable(
         check_family_pipelinable(config.model_type, source.model_class.__name__)
     if setup is not None and setup.degrees.cp > 1:
         check_context_parallel_supported(config, source.is_custom, source.model_class.__name__, setup.degrees.pp)
+    experts = None if setup is None else expert_layout(config, source.model_class, setup.degrees)
     if setup is None or not setup.uses_tensor_parallel:
         return None
     plan = source.spec.parallel_plan()
+    if plan is not None and experts is not None:  # experts are whole under expert parallel
+        plan = experts.without_expert_entries(plan)
     check_tensor_parallel_supported(plan, config, setup.tp_size, source.model_class.__name__)
     return plan
 

@@ -20,7 +20,8 @@ import torch
 from nemo_wrap.checkpoint.strict_json import parse_json
 from nemo_wrap.errors import CorruptCheckpointError
 
-_DTYPES: dict[str, torch.dtype] = {
+# The format's dtype names (the writer inverts this table).
+DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -93,7 +94,7 @@ def _check_metadata(path: Path, metadata: object) -> None:
 def _validated_entry(path: Path, key: str, info: object, data_start: int, file_size: int) -> TensorEntry:
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
         raise CorruptCheckpointError(f"{path}: tensor {key!r} lacks dtype/shape/data_offsets")
-    dtype = _DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+    dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
     if dtype is None:
         raise CorruptCheckpointError(f"{path}: tensor {key!r} has unsupported dtype {info['dtype']!r}")
     shape, offsets = info["shape"], info["data_offsets"]

@@ -8,7 +8,8 @@ safetensors with transformers' keys (our fused projections split back through th
 ``generation_config.json`` and the tokenizer when given.
 
 Every rank calls it. Sharded tensors are gathered one at a time with ``full_tensor()`` in the same
-order on every rank; only rank 0 keeps them and writes, one file's worth at a time. transformers'
+order on every rank; rank 0 streams each into its file and drops it, so its peak is one tensor (one
+MoE layer's stacked experts), not a file's worth. transformers'
 ``save_pretrained`` is not used: called on rank 0 alone under a process group it can hang the other
 ranks, and it names the class it is called on. The directory appears atomically
 (:mod:`nemo_wrap.checkpoint.atomic`), and rank 0's outcome is every rank's outcome
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -26,11 +28,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import save_file
 
 from nemo_wrap.checkpoint.atomic import replace_directory, staged_save
 from nemo_wrap.checkpoint.gather import FullTensors, TensorInfo
 from nemo_wrap.checkpoint.locate import INDEX_FILE, SINGLE_FILE
+from nemo_wrap.checkpoint.safetensors_stream import SafetensorsStream
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.distributed.model_state import pipeline_of
 from nemo_wrap.errors import CheckpointSaveError, InvalidShardSizeError
@@ -95,27 +97,69 @@ def _write_files(
     group: RankGroup,
     failure: Callable[[str], CheckpointSaveError],
 ) -> dict[str, Any] | None:
-    """Gather and write one file's worth of tensors at a time; the index when there are several files."""
+    """Gather and write one tensor at a time (rank 0 streams it into its file); the index when
+    there are several files. The files' layouts come from the global shapes, on every rank."""
     weight_map: dict[str, str] = {}
     total_size = 0
     bar = progress_bar(len(tensors.info), "saving", group.is_writer)
     for filename, names in files.items():
-        shard: dict[str, torch.Tensor] = {}
+        layout = _hf_layout(tensors, names, to_hf)
+        writer = _FileWriter(staged / filename, layout, group.is_writer)
         for name in names:  # same order on every rank: each full_tensor() is a collective
             full = tensors.full(name, group.is_writer)
             if full is not None and group.is_writer:
-                shard.update(to_hf(name, full))
+                writer.write(to_hf(name, full))
+            del full  # before the next gather: two whole tensors are never held at once
             bar.update(1)
-        weight_map.update(dict.fromkeys(shard, filename))
-        total_size += sum(t.numel() * t.element_size() for t in shard.values())
-        group.on_rank_zero(
-            f"writing {filename}", partial(save_file, shard, staged / filename, {"format": "pt"}), failure
-        )
-        del shard
+        group.on_rank_zero(f"writing {filename}", writer.finish, failure)
+        weight_map.update(dict.fromkeys(layout, filename))
+        total_size += sum(dtype.itemsize * math.prod(shape) for shape, dtype in layout.values())
     bar.close()
     if len(files) == 1:
         return None
     return {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+
+
+def _hf_layout(
+    tensors: FullTensors, names: list[str], to_hf: Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """transformers' keys (shape, dtype) of ``names``, in write order: the conversion run on meta."""
+    layout = {}
+    for name in names:
+        info = tensors.info[name]
+        for key, part in to_hf(name, torch.empty(info.shape, dtype=info.dtype, device="meta")).items():
+            layout[key] = (tuple(part.shape), part.dtype)
+    return layout
+
+
+class _FileWriter:
+    """Rank 0's stream of one file. An error is kept, and raised by :meth:`finish` after the file's
+    last gather, so that no other rank is left waiting in a gather the writer abandoned."""
+
+    def __init__(self, path: Path, layout: dict[str, tuple[tuple[int, ...], torch.dtype]], is_writer: bool) -> None:
+        self.stream: SafetensorsStream | None = None
+        self.error: Exception | None = None
+        if is_writer:
+            try:
+                self.stream = SafetensorsStream(path, layout)
+            except OSError as caught:  # reported by finish(), on every rank
+                self.error = caught
+
+    def write(self, parts: dict[str, torch.Tensor]) -> None:
+        if self.stream is None or self.error is not None:
+            return
+        try:
+            for key, tensor in parts.items():
+                self.stream.write(key, tensor)
+        except Exception as caught:  # a full disk, a tensor unlike its announced layout: see finish()
+            self.error = caught
+            self.stream.abandon()
+
+    def finish(self) -> None:
+        if self.error is not None:
+            raise self.error
+        assert self.stream is not None  # finish runs on the writer, whose stream opened
+        self.stream.close()
 
 
 def _tensors_to_write(model: PreTrainedModel, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
@@ -148,17 +192,9 @@ def _parse_size(size: int | str) -> int:
 
 
 def _hf_keys_converter(adapter: StateDictAdapter) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One full tensor of the model → the transformers tensors it stands for.
-
-    Fused parts are views of one tensor; safetensors refuses tensors that share storage, so parts
-    are copied.
-    """
-
-    def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        parts = adapter.to_hf({name: tensor})
-        return parts if len(parts) == 1 else {key: part.clone() for key, part in parts.items()}
-
-    return convert
+    """One full tensor of the model → the transformers tensors it stands for (fused parts and
+    merged experts are views of it: each is streamed out, none copied whole)."""
+    return lambda name, tensor: adapter.to_hf({name: tensor})
 
 
 def _plan_files(tensors: Mapping[str, TensorInfo], limit: int) -> dict[str, list[str]]:

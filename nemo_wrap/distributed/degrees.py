@@ -51,6 +51,11 @@ class ParallelDegrees:
         """Data-parallel degree: replicas × shards (data is dealt over these ranks, not over cp)."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def efsdp(self) -> int:
+        """How many ranks hold the same experts (and FSDP-shard them): dp_shard · cp · tp over ep."""
+        return self.dp_shard * self.cp * self.tp // self.ep
+
     def mesh_layout(self, kept: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The mesh's shape and dimension names: the data-parallel dims always, the others when their
         size is above 1 or they are in ``kept``."""
@@ -62,6 +67,17 @@ class ParallelDegrees:
         dims += [("cp", self.cp), ("tp", self.tp)]
         chosen = [(name, size) for name, size in dims if size > 1 or name in kept or name.startswith("dp")]
         return tuple(size for _, size in chosen), tuple(name for name, _ in chosen)
+
+    def expert_mesh_layout(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The expert mesh, the same ranks viewed as ``(dp_replicate, efsdp, ep)`` (transformers'
+        expert mesh): ``ep`` varies fastest, so an expert group is the tp group when ep == tp."""
+        dims = [("dp_replicate", self.dp_replicate)] if self.dp_replicate > 1 else []
+        dims += [("efsdp", self.efsdp), ("ep", self.ep)]
+        return tuple(size for _, size in dims), tuple(name for name, _ in dims)
+
+    def expert_mesh_summary(self) -> str:
+        shape, names = self.expert_mesh_layout()
+        return ", ".join(f"{n}={s}" for n, s in zip(names, shape, strict=True))
 
     def describe_usage(self) -> list[str]:
         """Which mesh dimensions each model parallelism in use runs on (data parallel aside)."""
@@ -77,9 +93,9 @@ class ParallelDegrees:
         if self.pp > 1:
             lines.append(f"pipeline parallel over pp={self.pp} stages")
         if self.ep > 1:
-            per = self.dp_shard * self.cp * self.tp // self.ep
             lines.append(
-                f"expert parallel over ep={self.ep} of the dp_shard × cp × tp ranks; experts sharded over {per}"
+                f"expert parallel over ep={self.ep} of the dp_shard × cp × tp ranks (expert mesh "
+                f"{self.expert_mesh_summary()}); dense layers keep their own sharding"
             )
         return lines
 

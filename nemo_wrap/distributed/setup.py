@@ -165,12 +165,15 @@ class DistributedSetup:
         return lines + self.degrees.describe_usage()
 
     def check_buildable(self) -> None:
-        """Refuse, before any work, the degrees a model cannot be loaded with yet (each has its issue)."""
-        if self.degrees.ep > 1:
-            raise UnsupportedSetupError(
-                f"ep_size={self.degrees.ep}: expert parallel is planned but not built yet; "
-                "plan() describes such a job, loading needs ep_size=1"
-            )
+        """Refuse, before any work, the combinations a model cannot be loaded with yet."""
+        degrees = self.degrees
+        others = {"pp_size": (degrees.pp, "pipeline"), "cp_size": (degrees.cp, "context")}
+        for argument, (size, kind) in others.items():
+            if degrees.ep > 1 and size > 1:
+                raise UnsupportedSetupError(
+                    f"ep_size={degrees.ep} with {argument}={size}: expert parallel does not compose with "
+                    f"{kind} parallel here yet; use {argument}=1 or ep_size=1"
+                )
 
     def dp_rank(self) -> int:
         """This rank's place among the data-parallel ranks (0 … dp_size - 1): where data loaders,
@@ -200,7 +203,24 @@ class DistributedSetup:
         """This rank's pipeline stage (0 … pp_size - 1); 0 without pipeline parallel."""
         return self.device_mesh()["pp"].get_local_rank() if self.degrees.pp > 1 else 0
 
-    # -- the mesh, made on first use ----------------------------------------------------------
+    # -- the meshes, made on first use ---------------------------------------------------------
+    def expert_mesh(self) -> DeviceMesh:
+        """The same ranks viewed as ``(dp_replicate, efsdp, ep)`` for the experts (expert parallel
+        only): a rank's experts are set by its ``ep`` coordinate, FSDP shards them over the rest."""
+        if self.degrees.ep == 1:
+            raise UnsupportedSetupError("expert_mesh(): this setup has ep_size=1 (no expert parallel)")
+        dense = self.device_mesh()  # checks the process group first
+        if self._mesh_cache.get("experts_of") is not dense:
+            shape, names = self.degrees.expert_mesh_layout()
+            self._mesh_cache.update(experts=init_device_mesh(dense.device_type, shape, mesh_dim_names=names))
+            self._mesh_cache["experts_of"] = dense
+        return self._mesh_cache["experts"]
+
+    def expert_sharding_mesh(self) -> DeviceMesh:
+        """Where FSDP shards a run of experts: ``efsdp`` (with ``dp_replicate`` under HSDP)."""
+        mesh = self.expert_mesh()
+        return mesh["dp_replicate", "efsdp"] if self.degrees.dp_replicate > 1 else mesh["efsdp"]
+
     def device_mesh(self) -> DeviceMesh:
         """The device mesh for this setup, created once per process group.
 

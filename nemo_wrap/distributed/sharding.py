@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from nemo_wrap.distributed.expert_parallel import ExpertLayout, apply_expert_parallel
 from nemo_wrap.distributed.precision import PrecisionPlan, strategy_options
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.distributed.tensor_parallel import TensorParallelPlan, apply_tensor_parallel
@@ -25,6 +26,7 @@ def shard_model(
     tp_plan: TensorParallelPlan | None,
     precision: PrecisionPlan | None = None,
     root: nn.Module | None = None,
+    experts: ExpertLayout | None = None,
 ) -> nn.Module:
     """Apply ``setup`` to ``model`` and return it (or the strategy's wrapper around it).
 
@@ -35,11 +37,17 @@ def shard_model(
     into the strategy's options where the strategy casts parameters itself (FSDP2). ``root`` is the
     module the strategy wraps when it is not ``model`` itself (a pipeline stage's module, which
     holds ``model``): tensor parallel still applies to ``model``, whose plan names its modules.
+    ``experts`` (expert parallel) places each MoE layer's experts on the expert mesh after tensor
+    parallel, and the strategy shards them over their own ranks before the rest.
     """
     entry = setup.entry
     mesh = setup.device_mesh()
     if setup.uses_tensor_parallel:
         apply_tensor_parallel(model, mesh["tp"], tp_plan)
     options = setup.options if precision is None else strategy_options(precision, setup.strategy, setup.options)
+    if experts is not None:
+        assert entry.shard_experts is not None  # build() gives ep > 1 only to strategies that take it
+        modules = apply_expert_parallel(model, experts, setup.expert_mesh()["ep"], mesh["tp"])
+        entry.shard_experts(modules, setup.expert_sharding_mesh(), options, setup.dp_size)
     wrapped = entry.apply(model if root is None else root, mesh, options)
     return wrapped if root is None else model

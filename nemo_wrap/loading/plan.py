@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from nemo_wrap.distributed.expert_parallel import ExpertLayout
 from nemo_wrap.distributed.pipeline import StageLayout
 from nemo_wrap.distributed.precision import PrecisionPlan
 from nemo_wrap.distributed.setup import DistributedSetup
@@ -62,6 +63,7 @@ class LoadPlan:
     mesh: str | None = None  # the setup's mesh, e.g. "dp_replicate=2, dp_shard=2, tp=2"
     parallelism: tuple[str, ...] = ()  # what each degree beyond plain data parallel does, one line each
     stages: tuple[StageLayout, ...] = ()  # pipeline stages (none without pipeline parallel)
+    experts: ExpertLayout | None = None  # which experts each rank holds (None: no expert parallel)
 
     @property
     def init_device(self) -> str:
@@ -127,6 +129,7 @@ class LoadPlan:
             lines.append(f"  sharding: {self.shard_reason}")
         lines += [f"  parallelism: {line}" for line in self.parallelism]
         lines += [f"  pipeline {stage.describe()}" for stage in self.stages]
+        lines += [f"  experts: {line}" for line in (self.experts.describe() if self.experts else [])]
         if self.precision is not None:
             lines.append(f"  precision: {self.precision}")
         return "\n".join(lines)
@@ -142,11 +145,13 @@ def make_load_plan(
     key_mapping: str = "transformers' keys as they are",
     precision: PrecisionPlan | None = None,
     stages: tuple[StageLayout, ...] = (),
+    experts: ExpertLayout | None = None,
 ) -> LoadPlan:
     """The one place loading is decided. Pure: no I/O, no process group; strategy facts come from
     the strategy registry (static data). ``options`` says whether LoRA adapters are added (new or
     from a file) and whether each decoder layer is compiled once the model is complete; ``stages``
-    are the pipeline stages' layouts (:func:`~nemo_wrap.distributed.pipeline.stage_layouts`).
+    are the pipeline stages' layouts (:func:`~nemo_wrap.distributed.pipeline.stage_layouts`),
+    ``experts`` the expert-parallel layout (:func:`~nemo_wrap.distributed.expert_parallel.expert_layout`).
     """
     tp_size = 1 if setup is None else setup.tp_size
     _check_compile(options.compile, tp_size)
@@ -169,6 +174,7 @@ def make_load_plan(
         None if setup is None else setup.mesh_summary(),
         () if setup is None else tuple(setup.describe_degrees()),
         stages,
+        experts,
     )
 
 

@@ -12,6 +12,7 @@ the experts and rows of its own shard. Saving reverses the mapping with transfor
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,7 @@ from transformers.core_model_loading import (
     revert_weight_conversion,
 )
 
-from nemo_wrap.errors import UnsupportedModelError
+from nemo_wrap.errors import MissingWeightsError, UnsupportedModelError, summarize
 from nemo_wrap.state_dict import SourceBlock, whole
 
 Shapes = Mapping[str, tuple[int, ...]]
@@ -102,6 +103,12 @@ class TransformersConversion:
         group = self._groups.get(key)
         if group is None:
             return []
+        missing = _missing_experts(group, shape)
+        if missing:
+            raise MissingWeightsError(
+                f"{key}: the checkpoint holds some of its {shape[0]} experts but lacks {summarize(missing)}; "
+                "merged by position, the next experts would shift into the missing ones' places"
+            )
         if group.converter is None:
             source = next(iter(group.keys_by_pattern.values()))[0]  # others renamed alike stay unused
             return [SourceBlock(source, whole(shape), whole(self._shapes[source]))]
@@ -151,6 +158,29 @@ def describe_conversion(transforms: list[WeightTransform]) -> str:
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     chains = sorted({"+".join(type(op).__name__ for op in c.operations) for c in converters})
     return f"transformers' conversion mapping ({renamings} renaming(s); converters: {', '.join(chains) or 'none'})"
+
+
+def _expert_index(pattern: str, key: str) -> re.Match[str] | None:
+    """Where ``key`` holds its expert index in a merged pattern (the last ``*``: ``experts.*.w1.weight``)."""
+    return re.search(re.escape(pattern).replace(r"\*", r"(\d+)") + "$", key)
+
+
+def _missing_experts(group: _Group, shape: tuple[int, ...]) -> list[str]:
+    """The per-expert keys a merged tensor of ``shape`` (experts on dim 0) needs and the checkpoint
+    lacks: merging by position would shift the next experts into a missing one's place."""
+    if group.converter is None or not isinstance(group.converter.operations[0], MergeModulelist) or not shape:
+        return []
+    missing = []
+    for pattern in group.converter.source_patterns:
+        matches = [m for m in (_expert_index(pattern, k) for k in group.keys_by_pattern.get(pattern, [])) if m]
+        present = {int(m.group(m.lastindex or 0)) for m in matches}
+        if matches and present != set(range(shape[0])):
+            example = matches[0]
+            start, end = example.span(example.lastindex or 0)
+            missing += [
+                f"{example.string[:start]}{e}{example.string[end:]}" for e in range(shape[0]) if e not in present
+            ]
+    return missing
 
 
 def _converted_blocks(group: _Group, shapes: Shapes) -> list[SourceBlock]:

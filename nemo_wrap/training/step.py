@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from nemo_wrap.distributed.model_state import pipeline_of, setup_of
+from nemo_wrap.distributed.setup import DistributedSetup
+from nemo_wrap.errors import UnsupportedSetupError
 from nemo_wrap.training.accumulation import no_gradient_sync
 from nemo_wrap.training.clipping import clip_grad_norm_
 from nemo_wrap.training.context_parallel_step import context_parallel_backward
@@ -28,7 +30,8 @@ from nemo_wrap.training.pipeline_step import (
     pipeline_clip_grad_norm_,
     pipeline_forward_backward,
 )
-from nemo_wrap.training.token_loss import IGNORE_INDEX
+from nemo_wrap.training.router_loss import adds_router_loss, router_loss_share
+from nemo_wrap.training.token_loss import IGNORE_INDEX, causal_lm_loss
 
 
 @dataclass(frozen=True)
@@ -71,17 +74,19 @@ def train_step(
     if pipeline is not None:
         check_micro_batch_count(pipeline, len(micro_batches))  # before any collective
     setup = setup_of(model)
+    _check_router_loss_supported(model, setup)
     group = None if setup is None else setup.dp_group()  # the label tokens are counted over dp
     dp_size = 1 if group is None else dist.get_world_size(group)
     label_tokens = _count_label_tokens(micro_batches, group)
     if label_tokens == 0:
         raise ValueError("train_step: the micro-batches hold no label token on any rank (all labels are -100)")
     cp_group = None if setup is None else setup.cp_group()
+    loss_group = None if setup is None else setup.loss_group()
     if pipeline is not None:
         loss_sum = pipeline_forward_backward(model, pipeline, micro_batches, label_tokens, dp_size)
     else:  # the managers average gradients over dp (× cp): scaled back, the step's sum over all tokens
         scale = dp_size * (1 if cp_group is None else dist.get_world_size(cp_group))
-        loss_sum = _forward_backward(model, micro_batches, label_tokens, scale, cp_group)
+        loss_sum = _forward_backward(model, micro_batches, label_tokens, scale, cp_group, loss_group)
     grad_norm = None
     if max_grad_norm is not None and pipeline is not None:
         grad_norm = float(pipeline_clip_grad_norm_(model, pipeline, max_grad_norm))
@@ -89,7 +94,6 @@ def train_step(
         grad_norm = float(clip_grad_norm_(model.parameters(), max_grad_norm))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss_group = None if setup is None else setup.loss_group()
     if loss_group is not None:  # every data-parallel rank's tokens (and every cp rank's part of them)
         dist.all_reduce(loss_sum, group=loss_group)
     return StepResult(loss=float(loss_sum), grad_norm=grad_norm, label_tokens=label_tokens)
@@ -101,6 +105,7 @@ def _forward_backward(
     label_tokens: int,
     scale: int,
     cp_group: dist.ProcessGroup | None,
+    loss_group: dist.ProcessGroup | None,
 ) -> torch.Tensor:
     """Forward and backward each micro-batch in turn (gradients synced on the last); the loss sum.
     Under context parallel each rank runs its part of every sequence (its losses are partial sums)."""
@@ -111,13 +116,35 @@ def _forward_backward(
             if cp_group is not None:
                 loss = context_parallel_backward(model, dict(batch), label_tokens, scale, cp_group)
             else:
-                loss = model(
-                    input_ids=batch["input_ids"],
-                    attention_mask=batch.get("attention_mask"),
-                    position_ids=batch.get("position_ids"),
-                    labels=_labels_of(batch),
-                    num_items_in_batch=label_tokens,
-                ).loss
+                loss = _micro_batch_loss(model, batch, label_tokens, loss_group)
                 (loss * scale).backward()
         loss_sum += loss.detach().float().cpu()
     return loss_sum
+
+
+def _micro_batch_loss(
+    model: nn.Module, batch: Mapping[str, torch.Tensor], label_tokens: int, loss_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """transformers' loss of one micro-batch over the step's global label count; for MoE models that
+    add a load-balancing loss, that loss of the whole data-parallel micro-batch (this rank's share)."""
+    inputs = {k: batch.get(k) for k in ("attention_mask", "position_ids")}
+    if not adds_router_loss(model):
+        return model(
+            input_ids=batch["input_ids"], **inputs, labels=_labels_of(batch), num_items_in_batch=label_tokens
+        ).loss
+    outputs = model(input_ids=batch["input_ids"], **inputs, output_router_logits=True)  # no labels: assembled here
+    loss = causal_lm_loss(model, outputs.logits, label_tokens, labels=_labels_of(batch))
+    return loss + router_loss_share(model, outputs.router_logits, inputs["attention_mask"], loss_group)
+
+
+def _check_router_loss_supported(model: nn.Module, setup: DistributedSetup | None) -> None:
+    """The load-balancing loss of the global batch is built for data, tensor and expert parallel;
+    a pipeline stage or a context-parallel part holds only some of its routers' tokens."""
+    if setup is None or not adds_router_loss(model):
+        return
+    degrees = setup.degrees
+    if degrees.pp > 1 or degrees.cp > 1:
+        raise UnsupportedSetupError(
+            f"train_step: {type(model).__name__} sets output_router_logits=True (a load-balancing loss), which "
+            f"is not built for pp_size={degrees.pp} / cp_size={degrees.cp}; load it with output_router_logits=False"
+        )

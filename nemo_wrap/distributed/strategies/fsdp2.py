@@ -61,6 +61,30 @@ def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, options: FSDP2Options) -> nn
     return model
 
 
+def shard_experts(
+    experts: list[nn.Module], mesh: DeviceMesh, options: FSDP2Options, gradient_divide_factor: int
+) -> None:
+    """FSDP over the ranks that hold the same experts (``efsdp``, and the replicas under HSDP).
+
+    Each expert's gradient already sums the tokens every rank of its expert group sent it, so the
+    sum over ``mesh`` covers every data-parallel rank's tokens once: it is divided by the
+    data-parallel degree (``gradient_divide_factor``), not by ``mesh``'s size (as transformers does).
+    A divisor other than the group size would be reduced with PREMUL_SUM, which gloo rejects, so
+    gradients are summed and divided locally — unless the shard dim (the last) has one rank: there
+    FSDP2 skips the reduce-scatter and divides while copying, and a forced sum would divide again
+    (measured under HSDP; transformers makes the same exception). Applied before the layers' own
+    FSDP, which then leaves the experts' parameters to these groups.
+    """
+    mixed_precision = MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype)
+    for module in experts:
+        sharded = fully_shard(
+            module, mesh=mesh, mp_policy=mixed_precision, reshard_after_forward=options.reshard_after_forward
+        )
+        sharded.set_gradient_divide_factor(float(gradient_divide_factor))
+        if mesh.size(mesh.ndim - 1) > 1:
+            sharded.set_force_sum_reduction_for_comms(True)
+
+
 def _sharding_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     """The dims FSDP shards over: dp — times cp under context parallel (each cp rank computes
     gradients for every parameter from its part of the sequence) — and HSDP's 2-D form."""
@@ -93,5 +117,6 @@ FSDP2 = register_strategy(
         apply=apply_fsdp2,
         check_available=always_available,
         mixed_precision_options=with_mixed_precision,
+        shard_experts=shard_experts,
     )
 )

@@ -38,6 +38,9 @@ class StrategyEntry:
       returns the model (or, for wrappers, the wrapper).
     - ``check_available()``: raises :class:`StrategyUnavailableError` where it cannot run. Called
       when a model is sharded, never when a setup or plan is only described.
+    - ``shard_experts(experts, mesh, options, gradient_divide_factor)``: shard each experts module
+      over ``mesh`` (the ranks holding the same experts) before ``apply``; ``None`` for strategies
+      that do not take expert parallel.
     - ``mixed_precision_options(options, compute_dtype, reduce_dtype)``: the options with the
       strategy's own mixed precision set, for strategies that cast parameters themselves (FSDP2);
       ``None`` for the others, under which mixed precision is ``torch.autocast``.
@@ -52,6 +55,7 @@ class StrategyEntry:
     degrees: tuple[str, ...] = ()
     kept_mesh_dims: tuple[str, ...] = ()
     mixed_precision_options: Callable[[Any, torch.dtype, torch.dtype], Any] | None = None
+    shard_experts: Callable[[list[nn.Module], DeviceMesh, Any, int], None] | None = None
 
 
 _REGISTRY: dict[str, StrategyEntry] = {}
