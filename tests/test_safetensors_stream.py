@@ -57,3 +57,9 @@ def test_closing_before_every_announced_tensor_is_written_is_an_error(tmp_path):
     stream.write("a.weight", TENSORS["a.weight"])
     with pytest.raises(CheckpointSaveError, match="5 announced tensor"):
         stream.close()
+
+
+def test_a_dtype_safetensors_cannot_store_is_named_before_anything_is_written(tmp_path):
+    with pytest.raises(CheckpointSaveError, match="'z' is torch.complex64, which safetensors cannot store"):
+        SafetensorsStream(tmp_path / "x.safetensors", {"z": ((2,), torch.complex64)})
+    assert not (tmp_path / "x.safetensors").exists()

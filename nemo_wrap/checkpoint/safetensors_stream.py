@@ -31,6 +31,8 @@ class SafetensorsStream:
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for key, (shape, dtype) in layout.items():
+            if dtype not in _NAMES:
+                raise CheckpointSaveError(f"{path}: tensor {key!r} is {dtype}, which safetensors cannot store")
             size = dtype.itemsize * math.prod(shape)
             header[key] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
             offset += size

@@ -142,7 +142,7 @@ class _FileWriter:
         if is_writer:
             try:
                 self.stream = SafetensorsStream(path, layout)
-            except OSError as caught:  # reported by finish(), on every rank
+            except Exception as caught:  # an unwritable directory, a dtype safetensors lacks: see finish()
                 self.error = caught
 
     def write(self, parts: dict[str, torch.Tensor]) -> None:
