@@ -85,6 +85,28 @@ def test_rank_stabilized_scaling_matches_peft(tmp_path):
     torch.testing.assert_close(ours(IDS).logits, reference(IDS).logits, atol=1e-5, rtol=0)
 
 
+# PEFT's per-module ranks and alphas: a suffix, a regex naming one layer's projection, alphas apart
+PATTERNS = {"rank_pattern": {"q_proj": 2, r"layers\.1\.mlp\.down_proj": 6}, "alpha_pattern": {"v_proj": 32, "gate_proj": 3}}
+
+
+def test_rank_and_alpha_patterns_compute_what_peft_computes(base, tmp_path):
+    ours = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora("all-linear", **PATTERNS))
+    _set_adapters(ours)
+    ours.save_pretrained(tmp_path / "adapter")
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+    ranks = {n: p.shape[0] for n, p in reference.named_parameters() if n.endswith("lora_A.default.weight")}
+    assert {2, 4, 6} <= set(ranks.values())  # the patterns reached PEFT through the saved config
+    torch.testing.assert_close(ours(IDS).logits, reference(IDS).logits, atol=1e-5, rtol=0)
+    ours.save_pretrained(tmp_path / "merged", merge_adapters=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(merged(IDS).logits, reference(IDS).logits, atol=1e-5, rtol=0)
+    fresh_peft = get_peft_model(AutoModelForCausalLM.from_pretrained(base), _lora("all-linear", **PATTERNS))
+    trainable = sum(p.numel() for p in ours.parameters() if p.requires_grad)
+    assert trainable == sum(p.numel() for p in fresh_peft.parameters() if p.requires_grad)
+    back = NeMoAutoModelForCausalLM.from_pretrained(base, adapter=tmp_path / "adapter")  # and back, from PEFT's file
+    torch.testing.assert_close(back(IDS).logits, reference(IDS).logits, atol=1e-5, rtol=0)
+
+
 def test_a_new_adapter_changes_nothing_and_is_in_the_load_report(base):
     plain = NeMoAutoModelForCausalLM.from_pretrained(base)
     adapted = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(), seed=0)
@@ -121,9 +143,10 @@ def _setup(strategy: str) -> DistributedSetup:
     return DistributedSetup.build(strategy, world)
 
 
-def _trainable_lora(base, setup: DistributedSetup | None = None):
+def _trainable_lora(base, setup: DistributedSetup | None = None, patterns: bool = False):
     """All-linear LoRA, seeded, with a non-zero B so training moves the logits from the first step."""
-    model = NeMoAutoModelForCausalLM.from_pretrained(base, distributed_setup=setup, peft_config=_lora(TARGETS[2]), seed=0)
+    config = _lora(TARGETS[2], **(PATTERNS if patterns else {}))
+    model = NeMoAutoModelForCausalLM.from_pretrained(base, distributed_setup=setup, peft_config=config, seed=0)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("lora_B"):
@@ -131,8 +154,8 @@ def _trainable_lora(base, setup: DistributedSetup | None = None):
     return model
 
 
-def case_train_and_save_lora(base: str, strategy: str, out: str) -> list[float]:
-    model = _trainable_lora(base, _setup(strategy))
+def case_train_and_save_lora(base: str, strategy: str, out: str, patterns: bool = False) -> list[float]:
+    model = _trainable_lora(base, _setup(strategy), patterns)
     losses = _train_two_steps(model)
     model.save_pretrained(out)
     model.save_pretrained(out + "-merged", merge_adapters=True)
@@ -173,6 +196,17 @@ def test_lora_on_a_2_by_2_mesh_trains_and_saves_like_one_process(ranks4, tmp_pat
     single = _trainable_lora(base)
     expected_losses = _train_two_steps(single)
     losses = ranks4.run(case_train_and_save_lora, str(base), "2x2", str(tmp_path / "ranks"), timeout=180)
+    for rank_losses in losses:
+        torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "ranks")
+    torch.testing.assert_close(peft(IDS).logits, single(IDS).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "tp"])
+def test_rank_and_alpha_patterns_train_as_one_process_on_2_ranks(ranks2, base, strategy, tmp_path):
+    single = _trainable_lora(base, patterns=True)
+    expected_losses = _train_two_steps(single)
+    losses = ranks2.run(case_train_and_save_lora, str(base), strategy, str(tmp_path / "ranks"), True, timeout=120)
     for rank_losses in losses:
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "ranks")

@@ -12,7 +12,7 @@ summed over the tp ranks (each rank's is a partial sum), like Qwen3's q/k norms.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from nemo_wrap.errors import ShardingError
-from nemo_wrap.models.lora.settings import LoraSettings
+from nemo_wrap.models.lora.settings import PairShape
 
 Placement = tuple[tuple[slice, slice], ...]  # (rows of the pair's output, rows of the layer's output)
 
@@ -58,16 +58,22 @@ class LoraAdapters(nn.Module):
     """
 
     def __init__(
-        self, in_features: int, out_features: int, parts: Sequence[tuple[str, Placement]], settings: LoraSettings
+        self,
+        in_features: int,
+        out_features: int,
+        parts: Sequence[tuple[str, Placement]],
+        shapes: Mapping[str, PairShape],
+        dropout: float,
     ) -> None:
+        """``parts``: each projection's short name and rows; ``shapes``: each one's rank and scale."""
         super().__init__()
         self.out_features = out_features
         self.placements = dict(parts)
         self.pairs = nn.ModuleDict(
-            {name: LoraPair(in_features, _rows_of(placement), settings.r) for name, placement in parts}
+            {name: LoraPair(in_features, _rows_of(placement), shapes[name].r) for name, placement in parts}
         )
-        self.scaling = settings.scaling
-        self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
+        self.scalings = {name: shapes[name].scaling for name, _ in parts}
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The adapters' output for the whole layer."""
@@ -98,17 +104,17 @@ class LoraAdapters(nn.Module):
         columns: slice = slice(None),
         chunk: int | None = None,
     ) -> torch.Tensor:
-        """``scaling · (x @ A^T) @ B^T`` over every pair at once: the pairs' down-projections side by
-        side, times one ``B`` matrix that holds each pair's rows (its ``chunk`` of them under
-        column-wise tp) at its projection's rows of the layer — two matrix products, no scatter of
-        activations."""
+        """``(x @ A^T) @ (scaling · B)^T`` over every pair at once: the pairs' down-projections side
+        by side (each of its own rank), times one ``B`` matrix that holds each pair's scaled rows (its
+        ``chunk`` of them under column-wise tp) at its projection's rows of the layer — two matrix
+        products, no scatter of activations."""
         down = torch.cat([pair(x, columns=columns) for pair in self.pairs.values()], dim=-1)
-        return (down @ self._placed_b(rows, placements, chunk).t()) * self.scaling
+        return down @ self._placed_b(rows, placements, chunk).t()
 
     def _placed_b(self, rows: int, placements: dict[str, Placement], chunk: int | None) -> torch.Tensor:
         blocks: list[torch.Tensor] = []
         for name, pair in self.pairs.items():
-            b: torch.Tensor = pair.get_parameter("lora_B")
+            b: torch.Tensor = pair.get_parameter("lora_B") * self.scalings[name]
             if chunk is not None:  # this rank's rows of the projection: chunk ``chunk`` of equal ones
                 size = _rows_of(placements[name])
                 b = b[chunk * size : (chunk + 1) * size]

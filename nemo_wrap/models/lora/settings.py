@@ -6,11 +6,12 @@ import math
 from dataclasses import dataclass
 
 from peft import LoraConfig
+from peft.utils.other import get_pattern_key
 
 from nemo_wrap.errors import UnsupportedLoraOptionError
 
 # Fields honoured (or bookkeeping that changes no computation). Every other field must keep
-# LoraConfig's default: DoRA, rank/alpha patterns, modules_to_save, layer selection, … would
+# LoraConfig's default: DoRA, modules_to_save, layer selection, … would
 # otherwise be silently dropped and train something else than the user asked for.
 _HONOURED = frozenset(
     {
@@ -18,6 +19,8 @@ _HONOURED = frozenset(
         "lora_alpha",
         "lora_dropout",
         "use_rslora",
+        "rank_pattern",
+        "alpha_pattern",
         "target_modules",
         "exclude_modules",
         "task_type",
@@ -32,18 +35,32 @@ _HONOURED = frozenset(
 
 
 @dataclass(frozen=True)
+class PairShape:
+    """One adapter pair's rank and the scale of its output."""
+
+    r: int
+    scaling: float
+
+
+@dataclass(frozen=True)
 class LoraSettings:
-    """The numbers every adapter pair uses."""
+    """The numbers the adapter pairs use: ``r``/``alpha`` unless a pattern names the projection."""
 
     r: int
     alpha: float
     dropout: float
     use_rslora: bool
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
 
-    @property
-    def scaling(self) -> float:
-        """PEFT's: ``alpha / r``, or ``alpha / sqrt(r)`` with rank-stabilized LoRA."""
-        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+    def for_projection(self, name: str) -> PairShape:
+        """The pair of transformers' projection ``name`` (``model.layers.0.self_attn.q_proj``): its
+        rank and alpha from the first pattern that matches it, as PEFT's ``get_pattern_key`` finds
+        it; its scale PEFT's ``alpha / r`` (``alpha / sqrt(r)`` with rank-stabilized LoRA)."""
+        ranks, alphas = dict(self.rank_pattern), dict(self.alpha_pattern)
+        r = ranks.get(get_pattern_key(list(ranks), name), self.r) if ranks else self.r
+        alpha = alphas.get(get_pattern_key(list(alphas), name), self.alpha) if alphas else self.alpha
+        return PairShape(r, alpha / (math.sqrt(r) if self.use_rslora else r))
 
 
 def lora_settings(config: object) -> LoraSettings:
@@ -59,10 +76,19 @@ def lora_settings(config: object) -> LoraSettings:
     if unsupported:
         raise UnsupportedLoraOptionError(
             f"LoraConfig sets {unsupported}, which nemo_wrap does not implement (it honours r, lora_alpha, "
-            "lora_dropout, use_rslora, target_modules, exclude_modules and bias='none')"
+            "lora_dropout, use_rslora, rank_pattern, alpha_pattern, target_modules, exclude_modules and bias='none')"
         )
-    if not isinstance(config.r, int) or config.r < 1:
-        raise UnsupportedLoraOptionError(f"LoraConfig.r must be a positive integer, got {config.r!r}")
+    ranks = {"r": config.r, **{f"rank_pattern[{k!r}]": v for k, v in (config.rank_pattern or {}).items()}}
+    for where, rank in ranks.items():
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise UnsupportedLoraOptionError(f"LoraConfig.{where} must be a positive integer, got {rank!r}")
     if not 0.0 <= float(config.lora_dropout) < 1.0:
         raise UnsupportedLoraOptionError(f"LoraConfig.lora_dropout must be in [0, 1), got {config.lora_dropout!r}")
-    return LoraSettings(config.r, float(config.lora_alpha), float(config.lora_dropout), bool(config.use_rslora))
+    return LoraSettings(
+        config.r,
+        float(config.lora_alpha),
+        float(config.lora_dropout),
+        bool(config.use_rslora),
+        tuple((config.rank_pattern or {}).items()),
+        tuple((k, float(v)) for k, v in (config.alpha_pattern or {}).items()),
+    )

@@ -75,7 +75,7 @@ class MergedWeightsAdapter:
         merged = merged.clone() if merged is weight else merged
         for part, placement in adapters.placements.items():
             a, b = (self.adapters[f"{name}.pairs.{part}.lora_{x}"].to(torch.float32) for x in "AB")
-            product = (b @ a) * adapters.scaling
+            product = (b @ a) * adapters.scalings[part]
             for pair_rows, layer_rows in placement:
                 merged[layer_rows] += product[pair_rows]
         return merged.to(weight.dtype)

@@ -75,7 +75,8 @@ def add_lora(model: PreTrainedModel, targets: list[LoraTarget], settings: LoraSe
         layer = model.get_submodule(target.module)
         parent_name, _, leaf = target.module.rpartition(".")
         weight = layer.get_parameter("weight")
-        adapters = LoraAdapters(target.in_features, target.out_features, _short(target.parts), settings)
+        shapes = {name.rpartition(".")[2]: settings.for_projection(name) for name, _ in target.parts}
+        adapters = LoraAdapters(target.in_features, target.out_features, _short(target.parts), shapes, settings.dropout)
         model.get_submodule(parent_name).add_module(
             f"lora_{leaf}", adapters.to(device=weight.device, dtype=weight.dtype)
         )
