@@ -119,7 +119,10 @@ def test_an_interrupt_ends_every_rank(tmp_path):
     import subprocess
     import sys
 
-    script = f"from tests.test_notebook_launch import sleep_forever\nfrom nemo_wrap.notebook import launch\n" \
+    # a kernel turns SIGINT into KeyboardInterrupt even where the test runner was started with SIGINT
+    # ignored (a background job of a non-interactive shell), which its children would inherit
+    script = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n" \
+             f"from tests.test_notebook_launch import sleep_forever\nfrom nemo_wrap.notebook import launch\n" \
              f"launch(sleep_forever, 2, {str(tmp_path)!r})"
     caller = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1])
     deadline = time.monotonic() + 60
