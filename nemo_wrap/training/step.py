@@ -7,6 +7,8 @@ tokens over every micro-batch and every data-parallel rank first, hands that cou
 ``num_items_in_batch`` (each micro-batch loss becomes its token-loss sum / global count), and
 scales what it back-propagates by the data-parallel degree to undo the managers' gradient
 averaging. A plain ``model(input_ids=..., labels=...)`` keeps transformers' per-rank meaning.
+An MoE model that adds a load-balancing loss (``output_router_logits=True``) gets that loss of the
+whole data-parallel micro-batch too (:mod:`.router_loss`), not each rank's.
 """
 
 from __future__ import annotations
