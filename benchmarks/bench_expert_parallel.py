@@ -23,7 +23,16 @@ import time
 from typing import Any
 
 from benchmarks.bench_from_pretrained import CHECKPOINT
-from benchmarks.common import Table, best_of, measure_main, reset_peak_rss, run_measure, status_mib, touch
+from benchmarks.common import (
+    Table,
+    best_of,
+    measure_main,
+    per_rank_memory_cells,
+    reset_peak_rss,
+    run_measure,
+    status_mib,
+    touch,
+)
 
 ROWS, SEQUENCE, WARMUP, STEPS = 4, 256, 1, 5
 MODULE = "benchmarks.bench_expert_parallel"
@@ -147,12 +156,8 @@ def table(repeats: int = 2) -> Table:
     fsdp_peak = max(row["peak_mib"] for row in best["fsdp2"])
     fsdp_step = max(row["seconds"] for row in best["fsdp2"])
     for kind, label in TRAINING.items():
-        rows = best[kind]
-        peak, seconds = max(row["peak_mib"] for row in rows), max(row["seconds"] for row in rows)
-        loaded = " / ".join(f"{row['loaded_mib']:.0f}" for row in rows)
-        trained = " / ".join(f"{row['peak_mib']:.0f}" for row in rows)
-        result.rows.append([label, f"{loaded} MiB", f"{trained} MiB", f"{peak / fsdp_peak:.2f}", f"{seconds:.2f} s",
-                            f"{seconds / fsdp_step:.2f}"])  # fmt: skip
+        cells, seconds = per_rank_memory_cells(best[kind], fsdp_peak)
+        result.rows.append([label, *cells, f"{seconds / fsdp_step:.2f}"])
     return result
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from benchmarks.bench_lora_step import CHECKPOINT_100M
 from benchmarks.bench_training_step import llama_100m_config
-from benchmarks.common import Table, best_of, measure_main, status_mib, touch
+from benchmarks.common import Table, best_of, measure_main, per_rank_memory_cells, status_mib, touch
 
 ROWS, SEQUENCE, WARMUP, STEPS = 8, 256, 1, 3
 MODULE = "benchmarks.bench_pipeline"
@@ -74,13 +74,9 @@ def table(repeats: int = 2) -> Table:
     fsdp_peak = max(row["peak_mib"] for row in best["fsdp2"])
     gpipe_step = max(row["seconds"] for row in best["pp-gpipe"])
     for kind, label in LABELS.items():
-        rows = best[kind]
-        peak, seconds = max(row["peak_mib"] for row in rows), max(row["seconds"] for row in rows)
-        loaded = " / ".join(f"{row['loaded_mib']:.0f}" for row in rows)
-        trained = " / ".join(f"{row['peak_mib']:.0f}" for row in rows)
+        cells, seconds = per_rank_memory_cells(best[kind], fsdp_peak)
         versus_gpipe = f"{seconds / gpipe_step:.2f}" if kind.startswith("pp") else "—"
-        result.rows.append([label, f"{loaded} MiB", f"{trained} MiB", f"{peak / fsdp_peak:.2f}", f"{seconds:.2f} s",
-                            versus_gpipe])  # fmt: skip
+        result.rows.append([label, *cells, versus_gpipe])
     return result
 
 

@@ -99,3 +99,12 @@ def measure_main(measure: Callable[[str], dict[str, Any]], table: Callable[[], T
     rank = int(os.environ.get("RANK", 0))
     if row:
         (args.output / f"{args.measure}-{rank}.json").write_text(json.dumps({**row, "rank": rank}))
+
+
+def per_rank_memory_cells(rows: list[dict[str, Any]], reference_peak_mib: float) -> tuple[list[str], float]:
+    """A multi-rank case's cells — peak RSS once loaded and after training, per rank; the worst
+    rank's peak against ``reference_peak_mib``; the slowest rank's step — and that step's seconds."""
+    peak, seconds = max(row["peak_mib"] for row in rows), max(row["seconds"] for row in rows)
+    loaded = " / ".join(f"{row['loaded_mib']:.0f}" for row in rows)
+    trained = " / ".join(f"{row['peak_mib']:.0f}" for row in rows)
+    return [f"{loaded} MiB", f"{trained} MiB", f"{peak / reference_peak_mib:.2f}", f"{seconds:.2f} s"], seconds

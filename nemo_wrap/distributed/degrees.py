@@ -76,8 +76,7 @@ class ParallelDegrees:
         return tuple(size for _, size in dims), tuple(name for name, _ in dims)
 
     def expert_mesh_summary(self) -> str:
-        shape, names = self.expert_mesh_layout()
-        return ", ".join(f"{n}={s}" for n, s in zip(names, shape, strict=True))
+        return describe_mesh(*self.expert_mesh_layout())
 
     def describe_usage(self) -> list[str]:
         """Which mesh dimensions each model parallelism in use runs on (data parallel aside)."""
@@ -98,6 +97,11 @@ class ParallelDegrees:
                 f"{self.expert_mesh_summary()}); dense layers keep their own sharding"
             )
         return lines
+
+
+def describe_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> str:
+    """A mesh's named dims and sizes, e.g. ``dp_replicate=2, dp_shard=4, tp=2``."""
+    return ", ".join(f"{name}={size}" for name, size in zip(names, shape, strict=True))
 
 
 def derive_degrees(

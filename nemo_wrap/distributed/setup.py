@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from nemo_wrap.distributed.degrees import ParallelDegrees, derive_degrees
+from nemo_wrap.distributed.degrees import ParallelDegrees, derive_degrees, describe_mesh
 from nemo_wrap.distributed.pipeline.layout import PipelineOptions
 from nemo_wrap.distributed.strategies import StrategyEntry, strategy_entry
 from nemo_wrap.errors import DistributedStateError, InvalidSetupError, UnsupportedSetupError
@@ -132,7 +132,7 @@ class DistributedSetup:
 
     def mesh_summary(self) -> str:
         """The mesh's named dims and sizes, e.g. ``dp_replicate=2, dp_shard=4, tp=2``."""
-        return ", ".join(f"{n}={s}" for n, s in zip(self.mesh_dim_names, self.mesh_shape, strict=True))
+        return describe_mesh(self.mesh_shape, self.mesh_dim_names)
 
     def describe(self) -> str:
         """One readable line per fact, for logs, the CLI and the load plan."""
