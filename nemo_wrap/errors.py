@@ -204,3 +204,14 @@ class LaunchError(NeMoWrapError, RuntimeError):
 class PipelineUsageError(NeMoWrapError, RuntimeError):
     """A pipelined model was called as a whole model: each rank holds one stage, so a forward, a
     ``generate`` or a loss needs the schedule (``train_step`` / ``evaluate``)."""
+
+
+class UnsupportedQuantizationError(NeMoWrapError, ValueError):
+    """A ``quantization_config`` asks for what nemo_wrap cannot honour (8-bit, another quant type or
+    storage, a layer that cannot be quantized by rows, a parallelism it does not compose with):
+    refused before any weight is read, never half-applied."""
+
+
+class MissingExtraError(NeMoWrapError, ImportError):
+    """A feature needs an optional package that is not installed; the message names the extra that
+    brings it (``pip install "nemo_wrap[qlora]"``)."""

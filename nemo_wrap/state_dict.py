@@ -10,7 +10,7 @@ neither imports the other.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -74,16 +74,85 @@ class IdentityAdapter:
         return dict(state_dict)
 
 
+class EncodedWeight(nn.Module):
+    """A layer that holds its checkpoint tensor ``weight`` encoded (e.g. quantized to 4 bits).
+
+    The tensors of the encoding (:attr:`encoding`, the layer's own names) are parameters — sharded,
+    gathered and saved for resuming like any other — but no checkpoint holds them: a checkpoint
+    holds ``weight``, ``[out_features, in_features]``, which the layer decodes to ``weight_dtype``.
+    So :func:`checkpoint_tensors` leaves them out, :func:`encoded_weights` names such layers by the
+    tensor they stand for, and reading, verifying and writing that tensor go through the layer.
+    """
+
+    encoding: ClassVar[tuple[str, ...]] = ()
+    in_features: int
+    out_features: int
+    weight_dtype: torch.dtype
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def describe(self) -> str:
+        """How the checkpoint tensor is held (for the load report)."""
+        raise NotImplementedError
+
+    def local_rows(self) -> torch.Tensor:
+        """The global indices of the rows of ``weight`` this rank holds; its columns are all held."""
+        raise NotImplementedError
+
+    def start_encoding(self) -> None:
+        """Called on every rank before this rank's rows are encoded (even when it holds none)."""
+        raise NotImplementedError
+
+    def encode_rows(self, values: torch.Tensor, first: int) -> None:
+        """Encode ``values``, local rows ``first, first + 1, …`` of ``weight``, into this rank's storage."""
+        raise NotImplementedError
+
+    def finish_encoding(self) -> None:
+        """After every rank encoded its rows; collective when the layer is sharded (every rank calls
+        it for every layer, in the same order)."""
+        raise NotImplementedError
+
+    def encode(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The encoding of the whole ``weight`` by the layer's own tensor names, made in one piece
+        (independent of any sharding): what verifying compares with the layer's tensors."""
+        raise NotImplementedError
+
+    def decoded(self) -> torch.Tensor:
+        """The whole ``weight`` in ``weight_dtype`` (collective when the layer is sharded)."""
+        raise NotImplementedError
+
+
+def encoded_weights(model: nn.Module) -> dict[str, EncodedWeight]:
+    """Every :class:`EncodedWeight` layer of ``model`` by the name of the tensor it holds (``….weight``)."""
+    return {
+        f"{name}.weight" if name else "weight": module
+        for name, module in model.named_modules()
+        if isinstance(module, EncodedWeight)
+    }
+
+
 def checkpoint_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Distinct tensors to fill or write (parameters + persistent buffers), and tie target → source.
 
     A tied parameter is one object under two names; the first name is the one a checkpoint holds
-    (transformers' checkpoints omit the tie target).
+    (transformers' checkpoints omit the tie target). The encoding tensors of an
+    :class:`EncodedWeight` are left out: they stand for a checkpoint tensor (see
+    :func:`encoded_weights`) rather than being one.
     """
     distinct: dict[str, torch.Tensor] = {}
     tied: dict[str, str] = {}
     first_name: dict[int, str] = {}
+    encodings = {
+        f"{prefix}.{tensor}" if prefix else tensor
+        for prefix, layer in model.named_modules()
+        if isinstance(layer, EncodedWeight)
+        for tensor in layer.encoding
+    }
     for name, tensor in model.named_parameters(remove_duplicate=False):
+        if name in encodings:
+            continue
         if id(tensor) in first_name:
             tied[name] = first_name[id(tensor)]
         else:
@@ -91,6 +160,8 @@ def checkpoint_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[
             distinct[name] = tensor
     for module_name, module in model.named_modules():
         for buffer_name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and buffer_name not in module._non_persistent_buffers_set:
-                distinct[f"{module_name}.{buffer_name}" if module_name else buffer_name] = buffer
+            full_name = f"{module_name}.{buffer_name}" if module_name else buffer_name
+            persistent = buffer_name not in module._non_persistent_buffers_set
+            if buffer is not None and persistent and full_name not in encodings:
+                distinct[full_name] = buffer
     return distinct, tied

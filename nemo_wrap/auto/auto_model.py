@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from peft import LoraConfig
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, BitsAndBytesConfig, PretrainedConfig, PreTrainedModel
 
 from nemo_wrap.auto.classes import loadable_class
 from nemo_wrap.auto.lora_steps import LoraRequest
@@ -58,6 +58,7 @@ class NeMoAutoModelForCausalLM:
         precision: Precision | None = None,
         dtype: torch.dtype | str | None = None,
         compile: bool = False,
+        quantization_config: BitsAndBytesConfig | None = None,
         options: LoadOptions | None = None,
     ) -> LoadPlan:
         """The load plan for a checkpoint directory (or a config: no checkpoint), reading no weights.
@@ -68,7 +69,12 @@ class NeMoAutoModelForCausalLM:
         is the typed form of the keywords (:class:`LoadOptions`), for a request built elsewhere.
         """
         given = LoadOptions(
-            force_hf=force_hf, allow_pickle=allow_pickle, precision=precision, dtype=dtype, compile=compile
+            force_hf=force_hf,
+            allow_pickle=allow_pickle,
+            precision=precision,
+            dtype=dtype,
+            compile=compile,
+            quantization_config=quantization_config,
         )
         options = _one_of(options, given)
         checkpoint: Checkpoint | None = None
@@ -102,6 +108,7 @@ class NeMoAutoModelForCausalLM:
         adapter: str | Path | None = None,
         precision: Precision | None = None,
         compile: bool = False,
+        quantization_config: BitsAndBytesConfig | None = None,
         options: LoadOptions | None = None,
         **config_overrides: Any,
     ) -> PreTrainedModel:
@@ -118,12 +125,25 @@ class NeMoAutoModelForCausalLM:
         ``adapter`` (a PEFT adapter directory) loads an existing one, trainable. ``precision``
         (``"fp32"``, ``"bf16"``, ``"bf16-mixed"``) sets the parameters' dtype and how compute and
         gradient reduction are cast (see :mod:`nemo_wrap.distributed.precision`). ``compile``
-        compiles each decoder layer with ``torch.compile`` (not with tensor parallel). Other
-        keywords override config attributes. ``options`` is the same request as one typed object
-        (:class:`LoadOptions`), instead of the keywords. The result carries ``model.load_report``.
+        compiles each decoder layer with ``torch.compile`` (not with tensor parallel).
+        ``quantization_config`` (``transformers.BitsAndBytesConfig(load_in_4bit=True, ...)``) holds
+        the linear layers in 4 bits, as transformers would choose them, each rank quantizing the rows
+        it holds while reading (with ``peft_config``: QLoRA). Other keywords override config
+        attributes. ``options`` is the same request as one typed object (:class:`LoadOptions`),
+        instead of the keywords. The result carries ``model.load_report``.
         """
         given = LoadOptions(
-            dtype, strict, verify, force_hf, allow_pickle, seed, peft_config, adapter, precision, compile
+            dtype,
+            strict,
+            verify,
+            force_hf,
+            allow_pickle,
+            seed,
+            peft_config,
+            adapter,
+            precision,
+            compile,
+            quantization_config,
         )
         options = _one_of(options, dataclasses.replace(given, config_overrides=tuple(config_overrides.items())))
         group = RankGroup.of(sharded=distributed_setup is not None)

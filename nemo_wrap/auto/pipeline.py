@@ -68,10 +68,11 @@ from nemo_wrap.models.config_checks import (
     check_size_budget,
     describe_config,
 )
-from nemo_wrap.models.lora import is_lora_parameter
+from nemo_wrap.models.lora import fused_parts, is_lora_parameter
 from nemo_wrap.models.lora.state_dict import AdapterFileAdapter, BaseWeightsAdapter
+from nemo_wrap.models.quantized import check_bitsandbytes_installed, quantize_linear_layers
 from nemo_wrap.models.registry import ModelSource
-from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors
+from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors, encoded_weights
 
 logger = logging.getLogger("nemo_wrap")
 
@@ -106,6 +107,7 @@ class LoadPipeline:
         steps: dict[Step, Callable[[], None]] = {
             Step.BUILD_ON_META: self.build_on_meta,
             Step.KEEP_STAGE: self.keep_stage,
+            Step.QUANTIZE_LAYERS: self.quantize_layers,
             Step.ADD_ADAPTERS: self.add_adapters,
             Step.SHARD: self.shard,
             Step.MATERIALIZE: self.materialize,
@@ -122,9 +124,12 @@ class LoadPipeline:
         """Local checks every rank makes alike, before any allocation or collective."""
         if self.setup is not None:
             self.setup.entry.check_available()
+        if self.plan.quantization is not None:
+            check_bitsandbytes_installed()
         keys = None if self.checkpoint is None else checkpoint_shapes(self.checkpoint).keys()
         self.tp_plan = check_loadable(self.source, self.config, self.setup, keys)
-        element_size = torch.empty((), dtype=self.dtype).element_size()
+        # a lower bound: 4-bit weights take half a byte (a model too large in 16 bits may fit in 4)
+        element_size = 0.5 if self.plan.quantization else torch.empty((), dtype=self.dtype).element_size()
         shards = 1 if self.setup is None else self.setup.parameter_shards
         check_size_budget(self.config, element_size, shards, device_memory_bytes(collective_device()))
 
@@ -134,7 +139,9 @@ class LoadPipeline:
             register_context_parallel_attention()  # transformers' families attend through the interface
             self.model.set_attn_implementation(CONTEXT_PARALLEL_ATTENTION)
         self.model.register_forward_pre_hook(no_cache_while_training, with_kwargs=True)
-        if self.setup is None:  # PEFT's own adapters, added after sharding, would be neither sharded nor synced
+        # PEFT's own adapters, added after sharding, would be neither sharded nor synced; nor can PEFT
+        # wrap our 4-bit layers
+        if self.setup is None and self.plan.quantization is None:
             expose_projections_to_peft(self.model, self.source)
         if self.plan.precision is not None:
             apply_autocast(self.model, self.plan.precision, collective_device().type)
@@ -157,6 +164,11 @@ class LoadPipeline:
             stage, self.setup.pipeline.schedule, mesh.mesh, mesh["pp"].get_group(), layout.tied_embeddings
         )
         self.model.nemo_state.pipeline = runtime
+
+    def quantize_layers(self) -> None:
+        assert self.plan.quantization is not None  # the plan quantizes only when asked to
+        fused = fused_parts(self.model, self.source.spec.adapter(self.model))
+        quantize_linear_layers(self.model, self.plan.quantization, fused, self.dtype)
 
     def add_adapters(self) -> None:
         assert self.lora is not None  # the plan adds adapters only when LoRA was asked for
@@ -193,8 +205,14 @@ class LoadPipeline:
                 return provenance, used, sum(reader.bytes_read.values())
 
         self.provenance, self.used_keys, self.bytes_read = self.group.on_every_rank("reading the checkpoint", read)
+        if encoded_weights(self.model):  # after every rank's read succeeded: it may be collective
+            self.group.on_every_rank("finishing the 4-bit statistics", self.finish_encodings)
         if self.lora is not None and self.lora.adapter_file is not None:
             self.read_adapter(self.lora.adapter_file)
+
+    def finish_encodings(self) -> None:
+        for layer in encoded_weights(self.model).values():  # the same order on every rank
+            layer.finish_encoding()
 
     def read_adapter(self, adapter_file: Checkpoint) -> None:
         show = self.group.is_writer
@@ -206,7 +224,7 @@ class LoadPipeline:
         self.unused_adapter_keys = tuple(sorted(set(adapter_file.entries) - used))
 
     def initialize_rest(self) -> None:
-        loaded = {name for name, p in self.provenance.items() if p.kind in ("checkpoint", "tied")}
+        loaded = _tensor_names(self.model, [n for n, p in self.provenance.items() if p.kind in ("checkpoint", "tied")])
         self.model.initialize_weights(loaded_names=loaded, seed=agree_on_seed(self.options.seed, self.setup))
         rule = f"{type(self.model).__mro__[0].__name__}._init_weights (seeded, shard-aware)"
         allowed_missing = getattr(self.model, "_keys_to_ignore_on_load_missing", None)
@@ -246,10 +264,10 @@ class LoadPipeline:
         distinct, _ = checkpoint_tensors(self.model)
         base = {name: t for name, t in distinct.items() if not is_lora_parameter(name)}
         group = self.same_tensors_group
-        verify_load(base, self.provenance, self.adapter, self.checkpoint, group)
+        verify_load(base, encoded_weights(self.model), self.provenance, self.adapter, self.checkpoint, group)
         if self.lora is not None and self.lora.adapter_file is not None:
             lora = {name: t for name, t in distinct.items() if is_lora_parameter(name)}
-            verify_load(lora, self.provenance, AdapterFileAdapter(), self.lora.adapter_file, group)
+            verify_load(lora, {}, self.provenance, AdapterFileAdapter(), self.lora.adapter_file, group)
 
     def _across_stages(self, names: Collection[str]) -> set[str]:
         """The union of ``names`` over every pipeline stage (this rank's alone without pipeline)."""
@@ -271,6 +289,13 @@ class LoadPipeline:
     def _raise_if_incomplete(self, report: LoadReport) -> None:
         where = self.checkpoint.directory if self.checkpoint is not None else "from_config"
         missing = sorted(self._across_stages(report.names("missing")))  # every stage raises alike
+        quantized = [name for name in missing if name in encoded_weights(self.model)]
+        if quantized:
+            raise MissingWeightsError(
+                f"{where}: {len(quantized)} weight(s) of 4-bit layers are not in the checkpoint, and a 4-bit layer "
+                f"is quantized from its checkpoint tensor, never initialized (keep such layers unquantized with "
+                f"llm_int8_skip_modules): {summarize(quantized)}"
+            )
         if missing:
             raise MissingWeightsError(
                 f"{where}: {len(missing)} parameter(s) are neither in the checkpoint nor "
@@ -323,6 +348,15 @@ def check_loadable(
         plan = experts.without_expert_entries(plan)
     check_tensor_parallel_supported(plan, config, setup.tp_size, source.model_class.__name__)
     return plan
+
+
+def _tensor_names(model: PreTrainedModel, names: list[str]) -> set[str]:
+    """``names`` as the model's own tensors: a 4-bit layer's weight is its encoding tensors."""
+    encoded = encoded_weights(model)
+    tensors = {name for name in names if name not in encoded}
+    for name in set(names) & set(encoded):
+        tensors.update(f"{name.removesuffix('weight')}{tensor}" for tensor in encoded[name].encoding)
+    return tensors
 
 
 def build_on_meta(model_class: type[PreTrainedModel], config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from nemo_wrap.distributed.pipeline.runtime import PipelineRuntime
+from nemo_wrap.state_dict import EncodedWeight
 
 
 @dataclass(frozen=True)
@@ -35,23 +36,37 @@ class TensorInfo:
         return count * self.dtype.itemsize
 
 
-def gather_full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on the CPU: every rank of a DTensor must call it, in the same order."""
-    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+# A tensor to write: a tensor (possibly a DTensor), or a layer that holds it encoded (4-bit).
+Writable = torch.Tensor | EncodedWeight
+
+
+def gather_full(tensor: Writable) -> torch.Tensor:
+    """The whole tensor on the CPU (an encoded one decoded): every rank of a DTensor (of a sharded
+    encoded layer) must call it, in the same order."""
+    if isinstance(tensor, EncodedWeight):
+        full = tensor.decoded()
+    else:
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
     return full.detach().to("cpu").contiguous()
+
+
+def _info(tensor: Writable) -> TensorInfo:
+    if isinstance(tensor, EncodedWeight):
+        return TensorInfo(tensor.weight_shape, tensor.weight_dtype)
+    return TensorInfo(tuple(tensor.shape), tensor.dtype)
 
 
 class FullTensors:
     """The model's tensors by name (the whole model's list on every rank), and :meth:`full`."""
 
-    def __init__(self, local: Mapping[str, torch.Tensor], pipeline: PipelineRuntime | None) -> None:
+    def __init__(self, local: Mapping[str, Writable], pipeline: PipelineRuntime | None) -> None:
         self.local = dict(local)
         self.pipeline = pipeline
         self.owner: dict[str, int] = {}  # name → the global rank that sends it to the writer
         if pipeline is None:
-            self.info = {name: TensorInfo(tuple(t.shape), t.dtype) for name, t in self.local.items()}
+            self.info = {name: _info(t) for name, t in self.local.items()}
             return
-        mine = [(name, tuple(t.shape), t.dtype) for name, t in self.local.items()]
+        mine = [(name, _info(t).shape, _info(t).dtype) for name, t in self.local.items()]
         everyone: list[list] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(everyone, (pipeline.layout.index, mine))
         self.info = {}

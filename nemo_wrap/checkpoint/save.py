@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nemo_wrap.checkpoint.atomic import replace_directory, staged_save
-from nemo_wrap.checkpoint.gather import FullTensors, TensorInfo
+from nemo_wrap.checkpoint.gather import FullTensors, TensorInfo, Writable
 from nemo_wrap.checkpoint.locate import INDEX_FILE, SINGLE_FILE
 from nemo_wrap.checkpoint.safetensors_stream import SafetensorsStream
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.distributed.model_state import pipeline_of
-from nemo_wrap.errors import CheckpointSaveError, InvalidShardSizeError
+from nemo_wrap.errors import CheckpointSaveError, InvalidShardSizeError, UnsupportedSaveOptionError
 from nemo_wrap.progress import progress_bar
-from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors
+from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors, encoded_weights
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -162,12 +162,19 @@ class _FileWriter:
         self.stream.close()
 
 
-def _tensors_to_write(model: PreTrainedModel, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """The model's distinct tensors (tie targets omitted, as transformers does), or the same names
-    taken from a given ``state_dict``, which must hold every one of them and nothing unknown."""
+def _tensors_to_write(model: PreTrainedModel, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, Writable]:
+    """The model's distinct tensors (tie targets omitted, as transformers does; 4-bit layers'
+    weights dequantized), or the same names taken from a given ``state_dict``, which must hold every
+    one of them and nothing unknown."""
     distinct, tied = checkpoint_tensors(model)
+    encoded = encoded_weights(model)
     if state_dict is None:
-        return distinct
+        return {**distinct, **encoded}
+    if encoded:
+        raise UnsupportedSaveOptionError(
+            "save_pretrained(state_dict=...) of a model with 4-bit layers: save the model itself (its 4-bit "
+            "weights are written dequantized) or its adapter"
+        )
     missing = sorted(set(distinct) - set(state_dict))
     unknown = sorted(set(state_dict) - set(distinct) - set(tied))
     if missing or unknown:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from peft import LoraConfig
+from transformers import BitsAndBytesConfig
 
 from nemo_wrap.distributed.precision import Precision
 from nemo_wrap.errors import InvalidSetupError
@@ -35,6 +36,8 @@ class LoadOptions:
     - ``peft_config`` / ``adapter``: new LoRA adapters, or a PEFT adapter directory (not both);
     - ``precision``: ``"fp32"``, ``"bf16"`` or ``"bf16-mixed"``;
     - ``compile``: ``torch.compile`` each decoder layer once the model is complete;
+    - ``quantization_config``: a ``BitsAndBytesConfig(load_in_4bit=True, ...)``: linear layers held
+      in 4 bits, each rank quantizing its rows while reading (QLoRA with ``peft_config``);
     - ``config_overrides``: config attributes to override, as ``(name, value)`` pairs.
     """
 
@@ -48,6 +51,7 @@ class LoadOptions:
     adapter: str | Path | None = None
     precision: Precision | None = None
     compile: bool = False
+    quantization_config: BitsAndBytesConfig | None = None
     config_overrides: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:

@@ -26,6 +26,7 @@ from nemo_wrap.distributed.precision import PrecisionPlan
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.loading.options import LoadOptions
+from nemo_wrap.models.quantized.settings import QuantizationSettings, check_composes, quantization_settings
 
 _DEFAULT_OPTIONS = LoadOptions()
 
@@ -33,6 +34,7 @@ _DEFAULT_OPTIONS = LoadOptions()
 class Step(str, Enum):
     BUILD_ON_META = "build on meta (architecture only, no weights, no init)"
     KEEP_STAGE = "keep this rank's pipeline stage (its decoder layers and ends of the model)"
+    QUANTIZE_LAYERS = "swap linear layers for 4-bit ones (bitsandbytes), filled while reading"
     ADD_ADAPTERS = "add LoRA adapters and freeze the base weights"
     SHARD = "shard"
     MATERIALIZE = "materialize (allocate each rank's storage)"
@@ -64,6 +66,7 @@ class LoadPlan:
     parallelism: tuple[str, ...] = ()  # what each degree beyond plain data parallel does, one line each
     stages: tuple[StageLayout, ...] = ()  # pipeline stages (none without pipeline parallel)
     experts: ExpertLayout | None = None  # which experts each rank holds (None: no expert parallel)
+    quantization: QuantizationSettings | None = None  # None: every weight in its dtype
 
     @property
     def init_device(self) -> str:
@@ -87,9 +90,14 @@ class LoadPlan:
         if not self.has_checkpoint:
             return "none given: nothing is read"
         stage = " of its pipeline stage's tensors" if self.stages else ""
+        quantized = (
+            "; each 4-bit layer's rows are quantized as they are read (no 16-bit copy of them is kept)"
+            if self.quantization
+            else ""
+        )
         if self.shards_before_materializing:
-            return f"read once, each rank reading only the slices of its own shards{stage}"
-        return "read once, every rank reading the full tensors (they are replicated)"
+            return f"read once, each rank reading only the slices of its own shards{stage}{quantized}"
+        return f"read once, every rank reading the full tensors (they are replicated){quantized}"
 
     @property
     def initialize_scope(self) -> str:
@@ -122,9 +130,12 @@ class LoadPlan:
         if self.has_checkpoint:
             lines.append(f"  keys: {self.key_mapping}")
         lines.append(f"  initialize: {self.initialize_scope}")
+        if self.quantization is not None:
+            lines.append(f"  quantization: {self.quantization}")
         if self.adapters is not None:
             how = "read from the adapter directory" if self.adapters == "file" else "new, initialized as PEFT does"
-            lines.append(f"  LoRA adapters: {how}; only they are trainable")
+            dtype = " (float32 beside the 4-bit layers, as PEFT keeps them)" if self.quantization else ""
+            lines.append(f"  LoRA adapters: {how}{dtype}; only they are trainable")
         if self.strategy is not None:
             lines.append(f"  sharding: {self.shard_reason}")
         lines += [f"  parallelism: {line}" for line in self.parallelism]
@@ -155,6 +166,10 @@ def make_load_plan(
     """
     tp_size = 1 if setup is None else setup.tp_size
     _check_compile(options.compile, tp_size)
+    quantization = None
+    if options.quantization_config is not None:
+        quantization = quantization_settings(options.quantization_config)
+        check_composes(setup, options.precision, options.compile, has_checkpoint)
     # tensor parallel always shards the meta model (each rank reads only its slices), whatever
     # the strategy that replicates or shards the result over dp needs on its own
     shard_first = setup is not None and (setup.entry.shards_on_meta or tp_size > 1)
@@ -175,6 +190,7 @@ def make_load_plan(
         () if setup is None else tuple(setup.describe_degrees()),
         stages,
         experts,
+        quantization,
     )
 
 
@@ -185,6 +201,8 @@ def _ordered_steps(
     steps = [Step.BUILD_ON_META]
     if pipelined:  # before adapters and sharding: both then see only the stage's own modules
         steps.append(Step.KEEP_STAGE)
+    if options.quantization_config is not None:  # before adapters (they adapt the 4-bit layers) and sharding
+        steps.append(Step.QUANTIZE_LAYERS)
     if options.adapters is not None:  # before sharding, so the adapters are sharded with their layers
         steps.append(Step.ADD_ADAPTERS)
     steps += [Step.SHARD, Step.MATERIALIZE] if shard_first else [Step.MATERIALIZE]

@@ -25,7 +25,17 @@ from nemo_wrap.errors import DTypeMismatchError, ShapeMismatchError
 from nemo_wrap.initialization.geometry import ShardGeometry, local_shard, shard_geometry
 from nemo_wrap.loading.provenance import Loaded, Missing, Provenance, Tied
 from nemo_wrap.progress import progress_bar
-from nemo_wrap.state_dict import IdentityAdapter, SourceBlock, StateDictAdapter, checkpoint_tensors
+from nemo_wrap.state_dict import (
+    EncodedWeight,
+    IdentityAdapter,
+    SourceBlock,
+    StateDictAdapter,
+    checkpoint_tensors,
+    encoded_weights,
+)
+
+# How much of a 4-bit layer's rows is held in 16 (or 32) bits at once while it is quantized.
+_ENCODE_CHUNK_BYTES = 32 * 2**20
 
 # (checkpoint key, one step-1 slice per checkpoint-tensor dim) → a view of that window of the
 # checkpoint tensor, valid inside the ``with`` block
@@ -43,13 +53,19 @@ def read_into_model(
     and the checkpoint keys used. ``show_progress``: this rank may show a progress bar."""
     transform = "identity" if isinstance(adapter, IdentityAdapter) else type(adapter).__name__
     distinct, tied = checkpoint_tensors(model)
+    encoded = encoded_weights(model)
     provenance: dict[str, Provenance] = {}
     used: set[str] = set()
     view_block = checkpoint_blocks(checkpoint, reader)
     shapes = checkpoint_shapes(checkpoint)
-    with torch.no_grad(), progress_bar(len(distinct), "loading", show_progress) as bar:
+    with torch.no_grad(), progress_bar(len(distinct) + len(encoded), "loading", show_progress) as bar:
         for name, tensor in distinct.items():
             found = provenance[name] = _read_one(name, tensor, adapter, transform, checkpoint, shapes, view_block)
+            if isinstance(found, Loaded):
+                used.update(found.keys)
+            bar.update(1)
+        for name, layer in encoded.items():
+            found = provenance[name] = _read_encoded(name, layer, adapter, transform, checkpoint, shapes, view_block)
             if isinstance(found, Loaded):
                 used.update(found.keys)
             bar.update(1)
@@ -87,6 +103,37 @@ def _read_one(
     fill_from_blocks(local_shard(tensor), geometry, blocks, view_block)
     files = ("pickle",) if checkpoint.pickle_tensors is not None else _files_of(keys, checkpoint.entries)
     return Loaded(files, keys, transform)
+
+
+def _read_encoded(
+    name: str,
+    layer: EncodedWeight,
+    adapter: StateDictAdapter,
+    transform: str,
+    checkpoint: Checkpoint,
+    shapes: dict[str, tuple[int, ...]],
+    view_block: BlockView,
+) -> Provenance:
+    """Fill a layer that holds its weight encoded (4-bit): this rank's rows of the checkpoint tensor,
+    a bounded chunk of rows at a time, each encoded into the layer's storage as soon as it is read —
+    so no 16-bit copy of the layer's rows is ever whole in memory."""
+    shape = layer.weight_shape
+    blocks = adapter.blocks(name, shape)
+    keys = tuple(dict.fromkeys(block.hf_key for block in blocks))
+    if not keys or any(key not in shapes for key in keys):
+        return Missing(adapter.expected_keys(name))
+    check_blocks(name, shape, blocks, shapes, checkpoint)
+    _check_dtype_kind(name, layer.weight_dtype, keys, checkpoint)
+    rows, columns = layer.local_rows(), torch.arange(shape[1])
+    chunk = max(1, _ENCODE_CHUNK_BYTES // (shape[1] * layer.weight_dtype.itemsize))
+    layer.start_encoding()
+    for first in range(0, rows.numel(), chunk):
+        chunk_rows = rows[first : first + chunk]
+        values = torch.empty(chunk_rows.numel(), shape[1], dtype=layer.weight_dtype)
+        fill_from_blocks(values, ShardGeometry(shape, (chunk_rows, columns)), blocks, view_block)
+        layer.encode_rows(values, first)
+    files = ("pickle",) if checkpoint.pickle_tensors is not None else _files_of(keys, checkpoint.entries)
+    return Loaded(files, keys, f"{transform}; {layer.describe()}")
 
 
 def _check_dtype_kind(name: str, dtype: torch.dtype, keys: tuple[str, ...], checkpoint: Checkpoint) -> None:

@@ -8,9 +8,19 @@ adapter names them, in global coordinates — not through the loader's shard geo
 what it checks; the actual side sums the local shards of the ranks that own a distinct piece
 (replicas along ``Replicate`` mesh dims count once). Plain tensors, replicated by DDP, are compared
 on every rank.
+
+A 4-bit layer holds no copy of its checkpoint tensor, only bitsandbytes' encoding of it. For it,
+verify re-reads the tensor whole, has bitsandbytes quantize it in one piece, and compares that
+encoding (4-bit values, absmax, double quantization's statistics) with what the ranks hold — so it
+proves the layer holds exactly the quantization of the checkpoint's bytes, whichever rows each rank
+quantized while reading, at the cost of quantizing the model once more.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -24,7 +34,7 @@ from nemo_wrap.initialization.geometry import local_shard, shard_geometry
 from nemo_wrap.loading.checksum import PRIME, checksum
 from nemo_wrap.loading.provenance import Loaded, Provenance
 from nemo_wrap.loading.read import BlockView, checkpoint_blocks
-from nemo_wrap.state_dict import StateDictAdapter
+from nemo_wrap.state_dict import EncodedWeight, StateDictAdapter
 
 
 def _owns_distinct_piece(tensor: DTensor, first_rank: int) -> bool:
@@ -57,8 +67,69 @@ def _expected_checksum(name: str, like: torch.Tensor, adapter: StateDictAdapter,
     return total % PRIME
 
 
+@dataclass(frozen=True)
+class _Check:
+    """One tensor's comparison: the checkpoint's checksum, computed on one rank, against what the
+    ranks hold — their shards' checksums summed (``summed``: a DTensor), or each rank's whole copy."""
+
+    name: str
+    expected: Callable[[], int]
+    actual: Callable[[], int]
+    summed: bool
+
+
+def _tensor_check(
+    name: str, tensor: torch.Tensor, adapter: StateDictAdapter, view_block: BlockView, first_rank: int
+) -> _Check:
+    def actual() -> int:
+        if isinstance(tensor, DTensor) and not _owns_distinct_piece(tensor, first_rank):
+            return 0
+        geometry = shard_geometry(tensor, name)
+        return checksum(local_shard(tensor), geometry.dim_indices, geometry.global_shape)
+
+    expected = partial(_expected_checksum, name, tensor, adapter, view_block)
+    return _Check(name, expected, actual, isinstance(tensor, DTensor))
+
+
+def _encoded_check(
+    name: str, layer: EncodedWeight, adapter: StateDictAdapter, view_block: BlockView, group: RankGroup
+) -> _Check:
+    """An encoded (4-bit) weight: the layer's encoding of the checkpoint tensor, made again in one
+    piece from a re-read, against the layer's tensors. Tensors beyond :attr:`~EncodedWeight.encoding`
+    (double quantization's statistics) are held whole by every rank, so a sharded layer's expected
+    sum counts them once per rank of the group."""
+    sharded = isinstance(layer.get_parameter(layer.encoding[0]), DTensor)
+    copies = group.size if sharded else 1
+
+    def expected() -> int:
+        whole = torch.empty(layer.weight_shape, dtype=layer.weight_dtype)
+        for block in adapter.blocks(name, layer.weight_shape):
+            with view_block(block.hf_key, block.source) as window:
+                whole[block.target] = window
+        parts = layer.encode(whole)
+        total = sum(_whole_checksum(parts[t]) * (1 if t in layer.encoding else copies) for t in parts)
+        return total % PRIME
+
+    def actual() -> int:
+        total = 0
+        for tensor_name in layer.encoding:
+            tensor = layer.get_parameter(tensor_name)
+            if not isinstance(tensor, DTensor) or _owns_distinct_piece(tensor, group.first_global_rank):
+                geometry = shard_geometry(tensor, f"{name}: {tensor_name}")
+                total += checksum(local_shard(tensor), geometry.dim_indices, geometry.global_shape)
+        statistics = [buffer for buffer_name, buffer in layer.named_buffers() if buffer_name not in layer.encoding]
+        return (total + sum(_whole_checksum(buffer) for buffer in statistics)) % PRIME
+
+    return _Check(name, expected, actual, sharded)
+
+
+def _whole_checksum(tensor: torch.Tensor) -> int:
+    return checksum(tensor, [range(size) for size in tensor.shape], tuple(tensor.shape))
+
+
 def verify_load(
     tensors: dict[str, torch.Tensor],
+    encoded: dict[str, EncodedWeight],
     provenance: dict[str, Provenance],
     adapter: StateDictAdapter,
     checkpoint: Checkpoint,
@@ -67,34 +138,42 @@ def verify_load(
     """Raise :class:`LoadVerificationError` (on every rank of ``group``) naming each tensor that differs.
 
     ``group`` holds the same tensor names on every rank (the job, or one pipeline stage's ranks).
+    ``encoded`` are the layers that hold a checkpoint tensor encoded (4-bit), by that tensor's name.
     """
-    names = [name for name in tensors if isinstance(provenance.get(name), Loaded)]
-    distributed = group.collective
-    device = collective_device()
-    rank, world, first_rank = group.rank, group.size, group.first_global_rank
-    expected = torch.zeros(len(names), dtype=torch.int64)
-    actual = torch.zeros(len(names), dtype=torch.int64)
     with BlockReader() as reader, torch.no_grad():
         view_block = checkpoint_blocks(checkpoint, reader)
-        for i, name in enumerate(names):
-            tensor = tensors[name]
-            if i % world == rank:
-                expected[i] = _expected_checksum(name, tensor, adapter, view_block)
-            if not isinstance(tensor, DTensor) or _owns_distinct_piece(tensor, first_rank):
-                geometry = shard_geometry(tensor, name)
-                actual[i] = checksum(local_shard(tensor), geometry.dim_indices, geometry.global_shape)
-    is_dtensor = torch.tensor([isinstance(tensors[n], DTensor) for n in names], dtype=torch.bool)
-    if distributed:
-        both = torch.stack([expected, torch.where(is_dtensor, actual, torch.zeros_like(actual))]).to(device)
+        loaded = [name for name in {**tensors, **encoded} if isinstance(provenance.get(name), Loaded)]
+        checks = [
+            _encoded_check(name, encoded[name], adapter, view_block, group)
+            if name in encoded
+            else _tensor_check(name, tensors[name], adapter, view_block, group.first_global_rank)
+            for name in loaded
+        ]
+        expected = torch.zeros(len(checks), dtype=torch.int64)
+        actual = torch.zeros(len(checks), dtype=torch.int64)
+        for i, check in enumerate(checks):
+            if i % group.size == group.rank:
+                expected[i] = check.expected()
+            actual[i] = check.actual()
+    _raise_for_differences(checks, expected, actual, checkpoint, group)
+
+
+def _raise_for_differences(
+    checks: list[_Check], expected: torch.Tensor, actual: torch.Tensor, checkpoint: Checkpoint, group: RankGroup
+) -> None:
+    summed = torch.tensor([check.summed for check in checks], dtype=torch.bool)
+    device = collective_device()
+    if group.collective:
+        both = torch.stack([expected, torch.where(summed, actual, torch.zeros_like(actual))]).to(device)
         dist.all_reduce(both, group=group.process_group)
         expected, reduced = both[0].cpu() % PRIME, both[1].cpu() % PRIME
-        actual = torch.where(is_dtensor, reduced, actual)
+        actual = torch.where(summed, reduced, actual)
     wrong = (expected != actual).to(torch.int64)
-    if distributed:  # every rank raises, naming every tensor wrong anywhere
+    if group.collective:  # every rank raises, naming every tensor wrong anywhere
         wrong = wrong.to(device)
         dist.all_reduce(wrong, op=dist.ReduceOp.MAX, group=group.process_group)
         wrong = wrong.cpu()
-    bad = [names[i] for i in torch.nonzero(wrong).flatten().tolist()]
+    bad = [checks[i].name for i in torch.nonzero(wrong).flatten().tolist()]
     if bad:
         raise LoadVerificationError(
             f"{checkpoint.directory}: {len(bad)} tensor(s) differ from the checkpoint after loading: {summarize(bad)}"

@@ -124,9 +124,10 @@ def minimum_parameter_count(config: PretrainedConfig) -> int:
     return (getattr(config, "vocab_size", 0) or 0) * hidden + (getattr(config, "num_hidden_layers", 0) or 0) * per_layer
 
 
-def check_size_budget(config: PretrainedConfig, element_size: int, parameter_shards: int, memory_bytes: int) -> None:
-    """Refuse a model whose share per rank cannot fit in this device's memory, before building it."""
-    per_rank = minimum_parameter_count(config) * element_size // parameter_shards
+def check_size_budget(config: PretrainedConfig, element_size: float, parameter_shards: int, memory_bytes: int) -> None:
+    """Refuse a model whose share per rank cannot fit in this device's memory, before building it;
+    ``element_size`` is bytes per parameter (0.5 for 4-bit weights)."""
+    per_rank = int(minimum_parameter_count(config) * element_size) // parameter_shards
     if per_rank > memory_bytes:
         sizes = {f: getattr(config, f, None) for f in ("vocab_size", "hidden_size", "num_hidden_layers")}
         raise UnsupportedModelError(

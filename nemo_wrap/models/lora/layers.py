@@ -75,6 +75,10 @@ class LoraAdapters(nn.Module):
         self.scalings = {name: shapes[name].scaling for name, _ in parts}
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The adapters' output for the whole layer."""
         return self._delta(self.dropout(x), self.out_features, self.placements)
@@ -148,8 +152,10 @@ def _first_chunk(placement: Placement, layer_rows: int) -> Placement:
 
 
 def add_lora_output(adapters: LoraAdapters, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
-    """Forward hook of an adapted linear layer (bound to its ``adapters``): its output plus theirs."""
+    """Forward hook of an adapted linear layer (bound to its ``adapters``): its output plus theirs,
+    computed in the adapters' dtype (float32 beside a 4-bit layer, as PEFT does) and added in the
+    output's."""
     x = args[0]
     if isinstance(output, DTensor) and isinstance(x, DTensor):
         return output + adapters.sharded(x, output)
-    return output + adapters(x)
+    return output + adapters(x.to(adapters.dtype)).to(output.dtype)

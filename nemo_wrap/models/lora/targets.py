@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from functools import partial
 
+import torch
 from peft import LoraConfig
 from peft.tuners.tuners_utils import _ExcludedModule, check_target_module_exists
 from torch import nn
@@ -25,7 +26,7 @@ from nemo_wrap.errors import LoraTargetError, UnsupportedLoraOptionError, summar
 from nemo_wrap.models.lora.layers import LoraAdapters, Placement, add_lora_output
 from nemo_wrap.models.lora.peft_views import ProjectionView
 from nemo_wrap.models.lora.settings import LoraSettings
-from nemo_wrap.state_dict import StateDictAdapter
+from nemo_wrap.state_dict import EncodedWeight, StateDictAdapter
 
 # Our parameter names: <parent>.lora_<layer>.pairs.<projection>.lora_A / lora_B
 _LORA_PARAMETER = re.compile(r"(?:^|\.)lora_[^.]+\.pairs\.[^.]+\.lora_[AB]$")
@@ -74,16 +75,23 @@ def add_lora(model: PreTrainedModel, targets: list[LoraTarget], settings: LoraSe
     for target in targets:
         layer = model.get_submodule(target.module)
         parent_name, _, leaf = target.module.rpartition(".")
-        weight = layer.get_parameter("weight")
         shapes = {name.rpartition(".")[2]: settings.for_projection(name) for name, _ in target.parts}
         adapters = LoraAdapters(target.in_features, target.out_features, _short(target.parts), shapes, settings.dropout)
-        model.get_submodule(parent_name).add_module(
-            f"lora_{leaf}", adapters.to(device=weight.device, dtype=weight.dtype)
-        )
+        device, dtype = _adapter_placement(layer)
+        model.get_submodule(parent_name).add_module(f"lora_{leaf}", adapters.to(device=device, dtype=dtype))
         layer.register_forward_hook(partial(add_lora_output, adapters))
         prefix = f"{parent_name}.lora_{leaf}" if parent_name else f"lora_{leaf}"
         plan.update({f"{prefix}.pairs.{name}": ReplicateWithGradientSum() for name in adapters.pairs})
     return plan
+
+
+def _adapter_placement(layer: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Adapters live on their layer's device, in its weight's dtype — in float32 beside a 4-bit
+    layer, whose weight has no float dtype (PEFT keeps them so over bitsandbytes' layers)."""
+    if isinstance(layer, EncodedWeight):
+        return next(layer.parameters()).device, torch.float32
+    weight = layer.get_parameter("weight")
+    return weight.device, weight.dtype
 
 
 def fused_parts(model: PreTrainedModel, adapter: StateDictAdapter) -> dict[str, list[tuple[str, Placement]]]:
@@ -105,19 +113,24 @@ def peft_key(name: str) -> str:
     return f"base_model.model.{parent + '.' if parent else ''}{rest}.weight"
 
 
-def _linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
-    """The model's own linear layers (not the parameterless views PEFT's wrapping uses)."""
+LinearLayer = nn.Linear | EncodedWeight  # a layer with a [out_features, in_features] weight
+
+
+def _linear_layers(model: nn.Module) -> dict[str, LinearLayer]:
+    """The model's own linear layers, 4-bit ones included (not the parameterless views PEFT's
+    wrapping uses)."""
     return {
         name: module
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and not isinstance(module, ProjectionView)
+        if isinstance(module, (nn.Linear, EncodedWeight)) and not isinstance(module, ProjectionView)
     }
 
 
-def _parts(name: str, module: nn.Linear, adapter: StateDictAdapter | None) -> list[tuple[str, Placement]]:
+def _parts(name: str, module: LinearLayer, adapter: StateDictAdapter | None) -> list[tuple[str, Placement]]:
     """The transformers projections in ``module``'s rows — several for a fused layer, else itself —
     each with where its rows sit in ours (from the state-dict adapter's blocks)."""
-    blocks = adapter.blocks(f"{name}.weight", tuple(module.weight.shape)) if adapter is not None else []
+    shape = (module.out_features, module.in_features)
+    blocks = adapter.blocks(f"{name}.weight", shape) if adapter is not None else []
     if len(blocks) <= 1:
         rows = slice(0, module.out_features)
         return [(name, ((rows, rows),))]
@@ -153,7 +166,7 @@ def _matches(config: LoraConfig, name: str) -> bool:
     return bool(found) and not isinstance(found, _ExcludedModule)
 
 
-def _refuse_unadaptable(model: PreTrainedModel, config: LoraConfig, linears: dict[str, nn.Linear]) -> None:
+def _refuse_unadaptable(model: PreTrainedModel, config: LoraConfig, linears: dict[str, LinearLayer]) -> None:
     """A target naming a layer that is not ``nn.Linear`` (GPT-2's ``Conv1D``, an embedding) would be
     skipped in silence; PEFT would adapt it. Refuse instead."""
     for name, module in model.named_modules():
