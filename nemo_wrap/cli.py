@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="fp32 | bf16 | bf16-mixed (fp32 master weights, bf16 compute); default: the checkpoint's dtype",
         )
         sub.add_argument(
+            "--quantization",
+            choices=("nf4", "fp4"),
+            default=None,
+            help="hold the linear layers in 4 bits (bitsandbytes, double quant; the qlora extra)",
+        )
+        sub.add_argument(
             "--nproc",
             type=_positive_int,
             default=None,
@@ -112,6 +118,9 @@ def _add_finetune_arguments(finetune: argparse.ArgumentParser) -> None:
     )
     finetune.add_argument("--seed", type=int, default=0, help="data order seed (default 0)")
     finetune.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (not with tp)")
+    finetune.add_argument(
+        "--qlora", action="store_true", help="QLoRA: --quantization nf4 and LoRA adapters (--lora-r, default 16)"
+    )
     _add_data_set_arguments(finetune)
 
 
@@ -237,8 +246,6 @@ def _is_data_set(data: str | None) -> bool:
 
 
 def _run_sft(args: argparse.Namespace) -> int:
-    from peft import LoraConfig
-
     from nemo_wrap.recipes import SFTConfig, run_sft
 
     path = _model_path(args)
@@ -247,10 +254,6 @@ def _run_sft(args: argparse.Namespace) -> int:
         setup = _setup(args, env.world_size)
         say = print if env.is_main_process else (lambda *_: None)
         tokenizer = _tokenizer(path)
-        targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
-        lora = None
-        if args.lora_r is not None:
-            lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r, target_modules=targets)
         config = SFTConfig(
             data=args.data, output_dir=args.output_dir, format=args.format, columns=args.columns,
             max_length=args.max_length,
@@ -259,7 +262,7 @@ def _run_sft(args: argparse.Namespace) -> int:
             accumulation=args.accumulation, lr=args.lr, warmup_steps=args.warmup_steps,
             lr_schedule=args.lr_schedule, max_grad_norm=args.max_grad_norm, seed=args.seed, log_dir=args.log_dir,
             save_every=args.save_every, resume=args.resume,
-            load=_load_options(args, peft_config=lora, compile=args.compile),
+            load=_load_options(args, peft_config=_lora(args), compile=args.compile),
         )  # fmt: skip
         records = run_sft(path, setup, config, tokenizer, say)
         losses = [r["loss"] for r in records if "loss" in r]
@@ -284,7 +287,7 @@ def _run_finetune(args: argparse.Namespace) -> int:
     try:
         setup = _setup(args, env.world_size)
         say = print if env.is_main_process else (lambda *_: None)
-        options = _load_options(args, compile=args.compile)
+        options = _load_options(args, peft_config=_lora(args), compile=args.compile)
         say(NeMoAutoModelForCausalLM.plan(path, setup, options=options))
         # Tokenizer and data first: every rank fails on them alike, before the load's collectives.
         tokenizer = _tokenizer(path)
@@ -299,7 +302,7 @@ def _run_finetune(args: argparse.Namespace) -> int:
             f"{args.batch_size} per rank x {setup.dp_size} data-parallel rank(s) per step"
         )
 
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
         losses = []
         steps = args.steps or 50
         with tqdm(range(steps), desc="finetune", unit="step", disable=not env.is_main_process) as bar:
@@ -325,10 +328,39 @@ _RUNNERS = {"finetune": _run_finetune, "plan": _run_plan, "report": _run_report}
 
 
 def _load_options(args: argparse.Namespace, **options: Any) -> LoadOptions:
-    """The load request of the command line: ``--precision`` plus what the command adds."""
+    """The load request of the command line: ``--precision`` and ``--quantization`` (``--qlora``)
+    plus what the command adds."""
     from nemo_wrap.loading.options import LoadOptions
 
-    return LoadOptions(precision=args.precision, **options)
+    return LoadOptions(precision=args.precision, quantization_config=_quantization(args), **options)
+
+
+def _quantization(args: argparse.Namespace) -> Any:
+    """``--quantization`` (``--qlora``: nf4) as transformers' ``BitsAndBytesConfig``: double quant, and
+    compute in bf16 with ``--precision bf16``, else in fp32 (transformers' default)."""
+    quant_type = "nf4" if getattr(args, "qlora", False) and args.quantization is None else args.quantization
+    if quant_type is None:
+        return None
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16 if args.precision == "bf16" else torch.float32,
+    )
+
+
+def _lora(args: argparse.Namespace) -> Any:
+    """``--lora-r`` (or ``--qlora``, rank 16 unless given) as PEFT's ``LoraConfig``; ``None`` without."""
+    rank = args.lora_r or (16 if args.qlora else None)
+    if rank is None:
+        return None
+    from peft import LoraConfig
+
+    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+    return LoraConfig(r=rank, lora_alpha=args.lora_alpha or 2 * rank, target_modules=targets)
 
 
 def _setup(args: argparse.Namespace, world_size: int) -> DistributedSetup:

@@ -7,11 +7,12 @@ import shutil
 
 import pytest
 from peft import LoraConfig
+from transformers import BitsAndBytesConfig
 
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.distributed.pipeline import stage_layouts
-from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.errors import InvalidSetupError, UnsupportedQuantizationError
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import Step, make_load_plan
 from tests.checkpoints import write_checkpoint
@@ -20,20 +21,36 @@ from tests.tiny_models import tiny_config
 STRATEGIES = (None, "ddp", "fsdp2", "megatron_fsdp")
 
 
-def _all_plans():
-    for is_custom, strategy, world, tp, pp, has_checkpoint, adapters, compile_layers in itertools.product(
-        (True, False), STRATEGIES, (1, 2, 4, 8), (1, 2, 4), (1, 2), (True, False), (None, "new", "file"), (False, True)
-    ):
+NF4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+
+
+def _combinations():
+    for is_custom, strategy, world, tp, pp, has_checkpoint, adapters, compile_layers, quantized in itertools.product(
+        (True, False), STRATEGIES, (1, 2, 4, 8), (1, 2, 4), (1, 2), (True, False), (None, "new", "file"), (False, True),
+        (False, True),
+    ):  # fmt: skip
         if world % (tp * pp) or (strategy in (None, "megatron_fsdp") and tp > 1) or (strategy is None and world > 1):
             continue
         if (adapters == "file" and not has_checkpoint) or (compile_layers and tp > 1) or (pp > 1 and strategy != "fsdp2"):
             continue
         setup = None if strategy is None else DistributedSetup.build(strategy, world, tp_size=tp, pp_size=pp)
         lora = {None: {}, "new": {"peft_config": LoraConfig()}, "file": {"adapter": "adapter/"}}[adapters]
+        options = LoadOptions(compile=compile_layers, quantization_config=NF4 if quantized else None, **lora)
         stages = stage_layouts(4, pp, None, tied_embeddings=False) if pp > 1 else ()
-        yield make_load_plan(
-            "Model", is_custom, "why", setup, has_checkpoint, LoadOptions(compile=compile_layers, **lora), stages=stages,
-        )  # fmt: skip
+        yield (is_custom, setup, has_checkpoint, options, stages)
+
+
+def _quantization_composes(setup, has_checkpoint: bool, options: LoadOptions) -> bool:
+    """Where 4-bit layers are built: a checkpoint, one process, ddp or fsdp2, no tp/pp, not compiled."""
+    if setup is not None and (setup.strategy == "megatron_fsdp" or setup.tp_size > 1 or setup.degrees.pp > 1):
+        return False
+    return has_checkpoint and not options.compile
+
+
+def _all_plans():
+    for is_custom, setup, has_checkpoint, options, stages in _combinations():
+        if options.quantization_config is None or _quantization_composes(setup, has_checkpoint, options):
+            yield make_load_plan("Model", is_custom, "why", setup, has_checkpoint, options, stages=stages)
 
 
 PLANS = list(_all_plans())
@@ -42,8 +59,19 @@ PLANS = list(_all_plans())
 def test_cross_product_is_large():
     # custom × (checkpoint × 3 adapter kinds + no checkpoint × 2) × (none, ddp, megatron, fsdp2 setups;
     # ddp and fsdp2 with tensor parallel), each setup also compiled unless it uses tensor parallel (13 of 23);
-    # plus fsdp2 with pp=2 (6 setups, 3 of them also compiled)
-    assert len(PLANS) == 2 * (3 + 2) * ((1 + 9 + 4 + 9) + 13 + (6 + 3))
+    # plus fsdp2 with pp=2 (6 setups, 3 of them also compiled); plus 4-bit: custom × checkpoint × 3 adapter
+    # kinds × the 1 + 4 + 4 eager setups without tp, pp or megatron
+    assert len(PLANS) == 2 * (3 + 2) * ((1 + 9 + 4 + 9) + 13 + (6 + 3)) + 2 * 3 * (1 + 4 + 4)
+
+
+def test_every_combination_4bit_does_not_compose_with_is_refused_by_name():
+    refused = 0
+    for is_custom, setup, has_checkpoint, options, stages in _combinations():
+        if options.quantization_config is not None and not _quantization_composes(setup, has_checkpoint, options):
+            with pytest.raises(UnsupportedQuantizationError, match="quantization_config does not compose with"):
+                make_load_plan("Model", is_custom, "why", setup, has_checkpoint, options, stages=stages)
+            refused += 1
+    assert refused > 100
 
 
 def test_compiling_with_tensor_parallel_is_refused():
@@ -51,7 +79,7 @@ def test_compiling_with_tensor_parallel_is_refused():
         make_load_plan("Model", True, "why", DistributedSetup.build("fsdp2", 4, 2), True, LoadOptions(compile=True))
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.strategy}-w{p.world_size}-tp{p.tp_size}-pp{len(p.stages) or 1}-{'ckpt' if p.has_checkpoint else 'none'}-{'custom' if p.is_custom else 'hf'}-lora-{p.adapters}-{'compiled' if Step.COMPILE_LAYERS in p.steps else 'eager'}")
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.strategy}-w{p.world_size}-tp{p.tp_size}-pp{len(p.stages) or 1}-{'ckpt' if p.has_checkpoint else 'none'}-{'custom' if p.is_custom else 'hf'}-lora-{p.adapters}-{'compiled' if Step.COMPILE_LAYERS in p.steps else 'eager'}{'-4bit' if p.quantization else ''}")
 def test_every_plan_reads_the_checkpoint_exactly_once_after_its_storage_exists(plan):
     steps = list(plan.steps)
     assert plan.checkpoint_reads == (1 if plan.has_checkpoint else 0)
@@ -68,8 +96,14 @@ def test_every_plan_reads_the_checkpoint_exactly_once_after_its_storage_exists(p
         assert steps.index(Step.KEEP_STAGE) == 1 and len(plan.stages) == 2 and "pipeline stage 1" in str(plan)
     else:
         assert Step.KEEP_STAGE not in steps
+    if plan.quantization is not None:  # 4-bit layers exist before adapters (which adapt them) and sharding
+        assert steps.index(Step.QUANTIZE_LAYERS) == 1 and steps.index(Step.MATERIALIZE) > 1
+        assert "quantized as they are read" in plan.read_scope and "quantization: bitsandbytes 4-bit NF4" in str(plan)
+    else:
+        assert Step.QUANTIZE_LAYERS not in steps
     if plan.adapters is not None:  # adapters exist before anything is sharded or allocated
-        assert steps.index(Step.ADD_ADAPTERS) == 1 + bool(plan.stages) and "LoRA adapters" in str(plan)
+        after = bool(plan.stages) + (plan.quantization is not None)
+        assert steps.index(Step.ADD_ADAPTERS) == 1 + after and "LoRA adapters" in str(plan)
     if plan.strategy == "fsdp2":  # shards on meta: each rank allocates and reads only its shard
         assert steps.index(Step.SHARD) < steps.index(Step.MATERIALIZE)
         assert "only the slices of its own shards" in plan.read_scope or not plan.has_checkpoint

@@ -132,19 +132,8 @@ class NeMoAutoModelForCausalLM:
         attributes. ``options`` is the same request as one typed object (:class:`LoadOptions`),
         instead of the keywords. The result carries ``model.load_report``.
         """
-        given = LoadOptions(
-            dtype,
-            strict,
-            verify,
-            force_hf,
-            allow_pickle,
-            seed,
-            peft_config,
-            adapter,
-            precision,
-            compile,
-            quantization_config,
-        )
+        given = LoadOptions(dtype, strict, verify, force_hf, allow_pickle, seed, peft_config, adapter, precision,
+                            compile, quantization_config)  # fmt: skip
         options = _one_of(options, dataclasses.replace(given, config_overrides=tuple(config_overrides.items())))
         group = RankGroup.of(sharded=distributed_setup is not None)
         config, checkpoint = group.on_every_rank("opening the checkpoint", lambda: _open(path, options, group))
