@@ -218,8 +218,8 @@ def test_lora_bad_input_is_a_clear_error(tmp_path):
     base = write_checkpoint(tmp_path / "base", "own-llama", "half", tie=False)
     with pytest.raises(LoraTargetError, match="matches no linear layer"):
         NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(["attention"]))
-    with pytest.raises(UnsupportedLoraOptionError, match="use_dora"):
-        NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(use_dora=True))
+    with pytest.raises(UnsupportedLoraOptionError, match="init_lora_weights"):
+        NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora(init_lora_weights="gaussian"))
     adapted = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_lora())
     adapted.save_pretrained(tmp_path / "adapter")
     (tmp_path / "adapter" / "adapter_model.safetensors").write_bytes(b"\x08" + bytes(7) + b"{not json")

@@ -24,10 +24,12 @@ from nemo_wrap.models.lora import (
     is_lora_parameter,
     lora_settings,
 )
-from nemo_wrap.models.lora.state_dict import AdapterFileAdapter
+from nemo_wrap.models.lora.modules_to_save import modules_to_save_keys, unfreeze
+from nemo_wrap.models.lora.state_dict import AdapterFileAdapter, adapter_file_keys
 from nemo_wrap.models.registry import ModelSource
 
 NEW_ADAPTER_RULE = "LoraPair.init_own_parameters (PEFT's init: lora_A uniform in ±1/sqrt(in), lora_B zero; seeded)"
+NEW_MAGNITUDE_RULE = "dora.initialize_magnitudes (PEFT's init: the row norms of the adapted weight)"
 
 
 @dataclass(frozen=True)
@@ -41,16 +43,18 @@ class LoraRequest:
 def add_adapters(
     model: PreTrainedModel, source: ModelSource, request: LoraRequest, base_name: str
 ) -> tuple[LoraConfig, dict[str, ParallelStyle]]:
-    """Attach the adapters ``request`` asks for (on meta, before sharding) and freeze the base;
-    return their config as PEFT saves it (``"all-linear"`` spelt out) and the tensor-parallel plan
-    entries of the adapters (their gradients summed over tp).
+    """Attach the adapters ``request`` asks for (on meta, before sharding) and freeze the base but
+    the modules to save; return their config as PEFT saves it (``"all-linear"`` spelt out) and the
+    tensor-parallel plan entries of the adapters (their gradients summed over tp).
 
     Our fused classes are matched through their state-dict adapter (which rows are which
     transformers projection); transformers' own classes by their module names as they are.
     """
     base_adapter = source.spec.adapter(model) if source.is_custom else None
     resolved, targets = find_lora_targets(model, request.config, base_adapter)
-    tensor_parallel_entries = add_lora(model, targets, lora_settings(request.config))
+    settings = lora_settings(request.config)
+    tensor_parallel_entries = add_lora(model, targets, settings)
+    unfreeze(model, modules_to_save_keys(model, settings, source.spec.adapter(model)))
     resolved.base_model_name_or_path = resolved.base_model_name_or_path or base_name
     resolved.inference_mode = False
     return resolved, tensor_parallel_entries
@@ -64,19 +68,26 @@ def expose_projections_to_peft(model: PreTrainedModel, source: ModelSource) -> N
         add_projection_views(model, fused_parts(model, source.spec.adapter(model)))
 
 
+def adapter_keys(model: PreTrainedModel, source: ModelSource, config: LoraConfig) -> dict[str, str]:
+    """Every tensor of ``model``'s adapter file, our name → PEFT's key (LoRA pairs, modules to save)."""
+    return adapter_file_keys(model, lora_settings(config), source.spec.adapter(model))
+
+
 def read_adapter_file(
-    model: PreTrainedModel, adapter_file: Checkpoint, show_progress: bool
+    model: PreTrainedModel, adapter_file: Checkpoint, keys: dict[str, str], show_progress: bool
 ) -> tuple[dict[str, Provenance], set[str], int]:
-    """Each rank reads its slices of the LoRA tensors from the adapter file: their provenance, the
-    file's keys used, and the bytes read."""
+    """Each rank reads its slices of the adapter's tensors (``keys``) from the adapter file: their
+    provenance, the file's keys used (a tied tensor's other key too), and the bytes read."""
     with BlockReader() as reader:
-        provenance, used = read_into_model(model, adapter_file, reader, AdapterFileAdapter(), show_progress)
-        lora = {name: found for name, found in provenance.items() if is_lora_parameter(name)}
-        return lora, used, sum(reader.bytes_read.values())
+        provenance, used = read_into_model(model, adapter_file, reader, AdapterFileAdapter(keys), show_progress)
+        read = {name: found for name, found in provenance.items() if name in keys}
+        used = {keys.get(name, name) for name in used}  # a tie target is counted under its name: its key
+        return read, used, sum(reader.bytes_read.values())
 
 
 def new_adapter_provenance(provenance: dict[str, Provenance], names: list[str]) -> None:
     """New adapters are initialized by their own rule, which is why they may be absent from files."""
     for name in names:
         if is_lora_parameter(name) and (provenance.get(name) is None or provenance[name].kind == "missing"):
-            provenance[name] = Initialized(NEW_ADAPTER_RULE, "a new LoRA adapter (peft_config)")
+            rule = NEW_MAGNITUDE_RULE if name.endswith(".lora_magnitude") else NEW_ADAPTER_RULE
+            provenance[name] = Initialized(rule, "a new LoRA adapter (peft_config)")

@@ -32,8 +32,9 @@ from nemo_wrap.distributed.model_state import ModelState, setup_of
 from nemo_wrap.distributed.pipeline.stage_model import held_tied_weights
 from nemo_wrap.errors import UnsupportedSaveOptionError
 from nemo_wrap.loading.provenance import LoadReport
-from nemo_wrap.models.lora import is_lora_parameter, peft_key
-from nemo_wrap.models.lora.state_dict import MergedWeightsAdapter
+from nemo_wrap.models.lora import LoraAdapters, is_lora_parameter, lora_settings
+from nemo_wrap.models.lora.layers import adapted_layer
+from nemo_wrap.models.lora.state_dict import MergedWeightsAdapter, adapter_file_keys
 from nemo_wrap.models.spec import ModelSpec
 from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors
 
@@ -125,9 +126,12 @@ class ShardedModelMixin:
         lora = {name: t for name, t in distinct.items() if is_lora_parameter(name)}
         config = cast(LoraConfig, self.nemo_state.lora_config)
         if not merge_adapters:
-            adapter_tensors = {peft_key(name): t for name, t in lora.items()}
+            keys = adapter_file_keys(self, lora_settings(config), self.state_dict_adapter())  # type: ignore[arg-type]
+            parameters = dict(self.named_parameters(remove_duplicate=False))  # type: ignore[attr-defined]
+            adapter_tensors = {key: parameters[name] for name, key in keys.items()}
             save_peft_adapter(adapter_tensors, config, save_directory, group, self.nemo_state.pipeline)
             return
+        _refuse_unmergeable_bias(self)
         if self.nemo_state.pipeline is not None:
             raise UnsupportedSaveOptionError(
                 "save_pretrained(merge_adapters=True) on a pipeline stage: merging needs every layer's base "
@@ -157,6 +161,19 @@ class ShardedModelMixin:
         if setup is not None and setup.world_size > 1:
             kwargs.setdefault("synced_gpus", True)
         return super().generate(*args, **kwargs)  # type: ignore[misc]
+
+
+def _refuse_unmergeable_bias(model: object) -> None:
+    """``lora_bias`` merges into the layer's bias; a layer without one cannot hold it (PEFT refuses too)."""
+    modules = dict(model.named_modules()) if isinstance(model, nn.Module) else {}
+    for name, adapters in modules.items():
+        if isinstance(adapters, LoraAdapters) and any(p.lora_bias is not None for p in adapters.pairs.values()):
+            layer = modules[adapted_layer(name)]
+            if getattr(layer, "bias", None) is None:
+                raise UnsupportedSaveOptionError(
+                    f"save_pretrained(merge_adapters=True): {adapted_layer(name)} has no bias to merge lora_bias into; "
+                    "save the adapter (merge_adapters=False) instead"
+                )
 
 
 def no_cache_while_training(

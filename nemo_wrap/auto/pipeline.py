@@ -20,6 +20,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from nemo_wrap.auto.classes import loadable_class
 from nemo_wrap.auto.lora_steps import (
     LoraRequest,
+    adapter_keys,
     add_adapters,
     expose_projections_to_peft,
     new_adapter_provenance,
@@ -69,6 +70,7 @@ from nemo_wrap.models.config_checks import (
     describe_config,
 )
 from nemo_wrap.models.lora import fused_parts, is_lora_parameter
+from nemo_wrap.models.lora.dora import initialize_magnitudes
 from nemo_wrap.models.lora.state_dict import AdapterFileAdapter, BaseWeightsAdapter
 from nemo_wrap.models.quantized import check_bitsandbytes_installed, quantize_linear_layers
 from nemo_wrap.models.registry import ModelSource
@@ -96,6 +98,7 @@ class LoadPipeline:
     tp_plan: TensorParallelPlan | None = None
     adapter: StateDictAdapter | None = None  # built once by the read, reused by verify
     unused_adapter_keys: tuple[str, ...] = ()
+    adapter_keys: dict[str, str] = field(default_factory=dict)  # our name → PEFT key of the adapter's tensors
 
     @property
     def group(self) -> RankGroup:
@@ -174,6 +177,7 @@ class LoadPipeline:
         assert self.lora is not None  # the plan adds adapters only when LoRA was asked for
         base_name = str(self.checkpoint.directory) if self.checkpoint is not None else ""
         self.model.nemo_state.lora_config, entries = add_adapters(self.model, self.source, self.lora, base_name)
+        self.adapter_keys = adapter_keys(self.model, self.source, self.lora.config)
         if self.tp_plan is not None:  # the adapters are sharded with the plan, so they join it
             self.tp_plan = {**self.tp_plan, **entries}
 
@@ -217,7 +221,7 @@ class LoadPipeline:
     def read_adapter(self, adapter_file: Checkpoint) -> None:
         show = self.group.is_writer
         provenance, used, read = self.group.on_every_rank(
-            "reading the adapter", lambda: read_adapter_file(self.model, adapter_file, show)
+            "reading the adapter", lambda: read_adapter_file(self.model, adapter_file, self.adapter_keys, show)
         )
         self.provenance.update(provenance)
         self.bytes_read += read
@@ -233,6 +237,7 @@ class LoadPipeline:
             self.provenance.setdefault(target, Tied(source))
         if self.lora is not None and self.lora.adapter_file is None:
             new_adapter_provenance(self.provenance, list(distinct))
+            initialize_magnitudes(self.model)  # DoRA: the row norms of the weights just read
         for name in distinct:
             current = self.provenance.get(name)
             if current is None:
@@ -262,12 +267,15 @@ class LoadPipeline:
     def _verify(self) -> None:
         assert self.checkpoint is not None and self.adapter is not None  # audit verifies a read only
         distinct, _ = checkpoint_tensors(self.model)
-        base = {name: t for name, t in distinct.items() if not is_lora_parameter(name)}
+        from_file = self.lora is not None and self.lora.adapter_file is not None
+        in_adapter = set(self.adapter_keys) if from_file else {name for name in distinct if is_lora_parameter(name)}
+        base = {name: t for name, t in distinct.items() if name not in in_adapter}
         group = self.same_tensors_group
         verify_load(base, encoded_weights(self.model), self.provenance, self.adapter, self.checkpoint, group)
         if self.lora is not None and self.lora.adapter_file is not None:
-            lora = {name: t for name, t in distinct.items() if is_lora_parameter(name)}
-            verify_load(lora, {}, self.provenance, AdapterFileAdapter(), self.lora.adapter_file, group)
+            adapter = {name: t for name, t in distinct.items() if name in in_adapter}
+            file_view = AdapterFileAdapter(self.adapter_keys)
+            verify_load(adapter, {}, self.provenance, file_view, self.lora.adapter_file, group)
 
     def _across_stages(self, names: Collection[str]) -> set[str]:
         """The union of ``names`` over every pipeline stage (this rank's alone without pipeline)."""

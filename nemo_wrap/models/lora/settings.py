@@ -11,7 +11,7 @@ from peft.utils.other import get_pattern_key
 from nemo_wrap.errors import UnsupportedLoraOptionError
 
 # Fields honoured (or bookkeeping that changes no computation). Every other field must keep
-# LoraConfig's default: DoRA, modules_to_save, layer selection, … would
+# LoraConfig's default: initializations, layer selection, other variants, … would
 # otherwise be silently dropped and train something else than the user asked for.
 _HONOURED = frozenset(
     {
@@ -21,6 +21,10 @@ _HONOURED = frozenset(
         "use_rslora",
         "rank_pattern",
         "alpha_pattern",
+        "use_dora",
+        "lora_bias",
+        "modules_to_save",
+        "ensure_weight_tying",
         "target_modules",
         "exclude_modules",
         "task_type",
@@ -52,6 +56,10 @@ class LoraSettings:
     use_rslora: bool
     rank_pattern: tuple[tuple[str, int], ...] = ()
     alpha_pattern: tuple[tuple[str, float], ...] = ()
+    bias: bool = False  # lora_bias: a bias on lora_B
+    dora: bool = False  # use_dora: DoRA's magnitude vector per adapted projection
+    modules_to_save: tuple[str, ...] = ()  # modules trained in full and saved whole in the adapter
+    ensure_weight_tying: bool = False  # a tied module to save stays tied (trained as one tensor)
 
     def for_projection(self, name: str) -> PairShape:
         """The pair of transformers' projection ``name`` (``model.layers.0.self_attn.q_proj``): its
@@ -76,7 +84,8 @@ def lora_settings(config: object) -> LoraSettings:
     if unsupported:
         raise UnsupportedLoraOptionError(
             f"LoraConfig sets {unsupported}, which nemo_wrap does not implement (it honours r, lora_alpha, "
-            "lora_dropout, use_rslora, rank_pattern, alpha_pattern, target_modules, exclude_modules and bias='none')"
+            "lora_dropout, use_rslora, rank_pattern, alpha_pattern, use_dora, lora_bias, modules_to_save, "
+            "ensure_weight_tying, target_modules, exclude_modules and bias='none')"
         )
     ranks = {"r": config.r, **{f"rank_pattern[{k!r}]": v for k, v in (config.rank_pattern or {}).items()}}
     for where, rank in ranks.items():
@@ -91,4 +100,8 @@ def lora_settings(config: object) -> LoraSettings:
         bool(config.use_rslora),
         tuple((config.rank_pattern or {}).items()),
         tuple((k, float(v)) for k, v in (config.alpha_pattern or {}).items()),
+        bool(config.lora_bias),
+        bool(config.use_dora),
+        tuple(config.modules_to_save or ()),
+        bool(config.ensure_weight_tying),
     )

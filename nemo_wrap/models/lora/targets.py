@@ -23,14 +23,22 @@ from transformers import PreTrainedModel
 
 from nemo_wrap.distributed.tensor_parallel import ReplicateWithGradientSum
 from nemo_wrap.errors import LoraTargetError, UnsupportedLoraOptionError, summarize
-from nemo_wrap.models.lora.layers import LoraAdapters, Placement, add_lora_output
+from nemo_wrap.models.lora.hook import add_lora_output
+from nemo_wrap.models.lora.layers import LoraAdapters, Placement, adapters_name
 from nemo_wrap.models.lora.peft_views import ProjectionView
 from nemo_wrap.models.lora.settings import LoraSettings
 from nemo_wrap.state_dict import EncodedWeight, StateDictAdapter
 
-# Our parameter names: <parent>.lora_<layer>.pairs.<projection>.lora_A / lora_B
-_LORA_PARAMETER = re.compile(r"(?:^|\.)lora_[^.]+\.pairs\.[^.]+\.lora_[AB]$")
+# Our parameter names: <parent>.lora_<layer>.pairs.<projection>.lora_A / lora_B / lora_bias / lora_magnitude
+_LORA_PARAMETER = re.compile(r"(?:^|\.)lora_[^.]+\.pairs\.[^.]+\.lora_(?:A|B|bias|magnitude)$")
 _PAIRS = ".pairs."
+# Each of a pair's parameters, as PEFT's state dict names it below the projection.
+_PEFT_SUFFIX = {
+    "lora_A": "lora_A.weight",
+    "lora_B": "lora_B.weight",
+    "lora_bias": "lora_B.bias",
+    "lora_magnitude": "lora_magnitude_vector",
+}
 
 
 @dataclass(frozen=True)
@@ -74,13 +82,16 @@ def add_lora(model: PreTrainedModel, targets: list[LoraTarget], settings: LoraSe
     plan: dict[str, ParallelStyle] = {}
     for target in targets:
         layer = model.get_submodule(target.module)
-        parent_name, _, leaf = target.module.rpartition(".")
         shapes = {name.rpartition(".")[2]: settings.for_projection(name) for name, _ in target.parts}
-        adapters = LoraAdapters(target.in_features, target.out_features, _short(target.parts), shapes, settings.dropout)
+        adapters = LoraAdapters(
+            target.in_features, target.out_features, _short(target.parts), shapes, settings.dropout,
+            settings.bias, settings.dora,
+        )  # fmt: skip
         device, dtype = _adapter_placement(layer)
-        model.get_submodule(parent_name).add_module(f"lora_{leaf}", adapters.to(device=device, dtype=dtype))
+        parent_name, _, leaf = adapters_name(target.module).rpartition(".")
+        model.get_submodule(parent_name).add_module(leaf, adapters.to(device=device, dtype=dtype))
         layer.register_forward_hook(partial(add_lora_output, adapters))
-        prefix = f"{parent_name}.lora_{leaf}" if parent_name else f"lora_{leaf}"
+        prefix = adapters_name(target.module)
         plan.update({f"{prefix}.pairs.{name}": ReplicateWithGradientSum() for name in adapters.pairs})
     return plan
 
@@ -107,10 +118,12 @@ def is_lora_parameter(name: str) -> bool:
 
 def peft_key(name: str) -> str:
     """``model.layers.0.self_attn.lora_qkv_proj.pairs.q_proj.lora_A`` →
-    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` (PEFT's file key)."""
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` (PEFT's file key; a
+    ``lora_bias`` is PEFT's ``lora_B.bias``, a ``lora_magnitude`` its ``lora_magnitude_vector``)."""
     module, _, rest = name.partition(_PAIRS)
     parent = module.rpartition(".")[0]
-    return f"base_model.model.{parent + '.' if parent else ''}{rest}.weight"
+    projection, _, parameter = rest.partition(".")
+    return f"base_model.model.{parent + '.' if parent else ''}{projection}.{_PEFT_SUFFIX[parameter]}"
 
 
 LinearLayer = nn.Linear | EncodedWeight  # a layer with a [out_features, in_features] weight

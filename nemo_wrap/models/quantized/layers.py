@@ -20,14 +20,15 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import should_convert_module
 
 from nemo_wrap.errors import UnsupportedQuantizationError, summarize
-from nemo_wrap.models.quantized.linear import QuantizedLinear, RowMap
+from nemo_wrap.models.lora.layers import Placement
+from nemo_wrap.models.quantized.linear import QuantizedLinear
 from nemo_wrap.models.quantized.settings import BLOCK_SIZE, QuantizationSettings
 
 
 def quantize_linear_layers(
     model: PreTrainedModel,
     settings: QuantizationSettings,
-    fused: Mapping[str, Sequence[tuple[str, RowMap]]],
+    fused: Mapping[str, Sequence[tuple[str, Placement]]],
     weight_dtype: torch.dtype,
 ) -> list[str]:
     """Replace each linear layer transformers would quantize with a :class:`QuantizedLinear` (on
@@ -57,7 +58,7 @@ def quantize_linear_layers(
 
 
 def _is_quantized(
-    name: str, module: nn.Linear, skip: list[str], fused: Mapping[str, Sequence[tuple[str, RowMap]]]
+    name: str, module: nn.Linear, skip: list[str], fused: Mapping[str, Sequence[tuple[str, Placement]]]
 ) -> bool:
     if type(module) is not nn.Linear:  # not subclasses: PEFT's views, others' layers
         return False

@@ -31,12 +31,10 @@ from torch.distributed.tensor import DTensor
 
 from nemo_wrap.errors import ShardingError
 from nemo_wrap.initialization.geometry import local_shard, shard_geometry
+from nemo_wrap.models.lora.layers import Placement, row_index
 from nemo_wrap.models.quantized.engine import bitsandbytes_functional, bitsandbytes_root
 from nemo_wrap.models.quantized.settings import BLOCK_SIZE, STATISTICS_BLOCK_SIZE, QuantizationSettings
 from nemo_wrap.state_dict import EncodedWeight
-
-# Where one transformers projection's rows sit in the layer: (its rows, the layer's rows) pairs.
-RowMap = tuple[tuple[slice, slice], ...]
 
 
 class QuantizedLinear(EncodedWeight):
@@ -57,13 +55,13 @@ class QuantizedLinear(EncodedWeight):
         bias: bool,
         settings: QuantizationSettings,
         weight_dtype: torch.dtype,
-        parts: Sequence[RowMap] = (),
+        parts: Sequence[Placement] = (),
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.settings, self.weight_dtype = settings, weight_dtype
-        whole: RowMap = ((slice(0, out_features), slice(0, out_features)),)
-        self.part_rows = tuple(_row_index(part) for part in (parts or (whole,)))
+        whole: Placement = ((slice(0, out_features), slice(0, out_features)),)
+        self.part_rows = tuple(row_index(part) for part in (parts or (whole,)))
         blocks = in_features // BLOCK_SIZE
         absmax_dtype = torch.uint8 if settings.double_quant else torch.float32
         self.weight_packed = nn.Parameter(torch.empty(out_features, in_features // 2, dtype=torch.uint8), False)
@@ -215,15 +213,6 @@ class QuantizedLinear(EncodedWeight):
             quant_type=self.settings.quant_type,
             dtype=dtype,
         )
-
-
-def _row_index(part: RowMap) -> torch.Tensor:
-    """The layer's rows of one part, in the part's own row order (on the CPU, also when the layer is
-    built on meta: it is an index, not storage)."""
-    index = torch.empty(max(rows.stop for rows, _ in part), dtype=torch.int64, device="cpu")
-    for part_rows, layer_rows in part:
-        index[part_rows] = torch.arange(layer_rows.start, layer_rows.stop, layer_rows.step or 1, device="cpu")
-    return index
 
 
 def _whole(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
