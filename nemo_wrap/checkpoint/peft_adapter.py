@@ -63,11 +63,12 @@ def save_peft_adapter(
     target = Path(save_directory).absolute()
     gathered = FullTensors(tensors, pipeline)
     with staged_save(target, group) as (staged, failure):
-        full = {}
+        full: dict[str, torch.Tensor] = {}
         for key in gathered.info:  # same order on every rank
             whole = gathered.full(key, group.is_writer)
-            if whole is not None:
-                full[key] = whole
+            if whole is not None:  # a tied tensor saved under two keys: two copies, as safetensors wants
+                shared = any(whole.data_ptr() == other.data_ptr() for other in full.values())
+                full[key] = whole.clone() if shared else whole
 
         def write() -> None:
             save_file(full, staged / ADAPTER_WEIGHTS, metadata={"format": "pt"})

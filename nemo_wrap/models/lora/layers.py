@@ -68,13 +68,15 @@ class LocalRows:
 
     ``count`` output rows; ``placements`` of the pairs within them; ``chunk``: under column-wise
     tensor parallel, the index of this rank's equal chunk of every pair's rows (``None``: all rows);
-    ``columns``: under row-wise tensor parallel, this rank's input columns.
+    ``columns``: under row-wise tensor parallel, this rank's input columns, and ``shares`` the
+    number of ranks whose outputs are summed.
     """
 
     count: int
     placements: dict[str, Placement]
     chunk: int | None = None
     columns: slice = field(default_factory=lambda: slice(None))
+    shares: int = 1
 
     def pair_rows(self, name: str, size: int) -> slice:
         """The rows of pair ``name`` (``size`` rows in all) that this rank computes."""
@@ -127,7 +129,7 @@ class LoraAdapters(nn.Module):
         placement, rank = output.placements[0], output.device_mesh.get_local_rank()
         if isinstance(placement, Partial):  # row-wise layer: all output rows, this rank's input columns
             columns = slice(rank * input_width, (rank + 1) * input_width)
-            return LocalRows(self.out_features, self.placements, columns=columns)
+            return LocalRows(self.out_features, self.placements, columns=columns, shares=output.device_mesh.size())
         if isinstance(placement, Shard):  # column-wise layer: this rank's output rows
             count = output.to_local().shape[-1]
             placements = {name: _first_chunk(p, count) for name, p in self.placements.items()}
@@ -138,12 +140,12 @@ class LoraAdapters(nn.Module):
         """``(x @ A^T) @ (scaling · B)^T + scaling · bias`` over every pair at once, for ``rows``: the
         pairs' down-projections side by side (each of its own rank), times one ``B`` matrix that
         holds each pair's scaled rows at its projection's rows of the layer — two matrix products,
-        no scatter of activations. A partial sum's bias is added by one rank only."""
+        no scatter of activations. Each of the ranks whose partial sums make the output adds its
+        share of the bias (so every rank has the bias's gradient to sum)."""
         down = torch.cat([pair(x, columns=rows.columns) for pair in self.pairs.values()], dim=-1)
         result = down @ self.placed(rows, "lora_B").t()
-        adds_bias = rows.columns == slice(None) or rows.columns.start == 0
-        if adds_bias and next(iter(self.pairs.values())).lora_bias is not None:
-            result = result + self.placed(rows, "lora_bias")
+        if next(iter(self.pairs.values())).lora_bias is not None:
+            result = result + self.placed(rows, "lora_bias") / rows.shares
         return result
 
     def sharded(self, x: DTensor, output: DTensor) -> DTensor:

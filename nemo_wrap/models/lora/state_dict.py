@@ -84,7 +84,7 @@ class MergedWeightsAdapter:
         layer, _, tensor_name = key.rpartition(".")
         name = adapters_name(layer)
         adapters = _submodule(self.model, name) if tensor_name in ("weight", "bias") else None
-        if not isinstance(adapters, LoraAdapters):
+        if not isinstance(adapters, LoraAdapters) or tensor.is_meta:  # meta: the file's layout only
             return tensor
         merged = tensor.to(torch.float32)  # a copy: the gathered tensor may be the parameter itself
         merged = merged.clone() if merged is tensor else merged

@@ -17,6 +17,7 @@ from functools import partial
 import torch
 from peft import LoraConfig
 from peft.tuners.tuners_utils import _ExcludedModule, check_target_module_exists
+from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import PreTrainedModel
@@ -58,7 +59,7 @@ def find_lora_targets(
     PEFT saves it). Raises :class:`LoraTargetError` when nothing matches."""
     linears = _linear_layers(model)
     parts = {name: _parts(name, module, adapter) for name, module in linears.items()}
-    resolved = _spell_out_all_linear(config, model, parts)
+    resolved = _spell_out_all_linear(_with_default_targets(config, model.config.model_type), model, parts)
     _refuse_unadaptable(model, resolved, linears)
     targets = []
     for name, module in linears.items():
@@ -171,6 +172,20 @@ def _spell_out_all_linear(
     names = {part.rpartition(".")[2] for options in parts.values() for part, _ in options if part not in output_names}
     resolved = copy.deepcopy(config)
     resolved.target_modules = names  # type: ignore[assignment]  # PEFT stores the spelt-out set itself
+    return resolved
+
+
+def _with_default_targets(config: LoraConfig, model_type: str) -> LoraConfig:
+    """No ``target_modules``: PEFT's default for the model type (``q_proj``/``v_proj`` for Llama)."""
+    if config.target_modules is not None:
+        return config
+    default = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    if default is None:
+        raise LoraTargetError(
+            f"LoraConfig sets no target_modules and PEFT has no default for model_type={model_type!r}"
+        )
+    resolved = copy.deepcopy(config)
+    resolved.target_modules = default if isinstance(default, str) else set(default)  # type: ignore[assignment]
     return resolved
 
 
