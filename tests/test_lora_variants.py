@@ -18,6 +18,7 @@ from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.errors import LoraTargetError, UnsupportedLoraOptionError, UnsupportedSaveOptionError
 from tests.checkpoints import write_checkpoint
+from tests.steps import train_steps, trainable
 
 IDS = torch.arange(2 * 9).reshape(2, 9) * 7 % 257
 VARIANTS = {
@@ -51,15 +52,7 @@ def _local_part(parameter, full):
 
 
 def _sgd_steps(model, steps: int = 2) -> list[float]:
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    losses = []
-    for _ in range(steps):
-        loss = model(IDS, labels=IDS).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, torch.optim.SGD(trainable(model), lr=0.1), IDS, steps)
 
 
 @pytest.fixture(scope="module", params=["own-llama", "own-qwen2", "own-qwen3", "mistral"])

@@ -25,6 +25,7 @@ from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.models.lora import is_lora_parameter
 from nemo_wrap.models.quantized import QuantizedLinear
 from tests.checkpoints import write_checkpoint
+from tests.steps import train_steps, trainable
 
 pytest.importorskip("bitsandbytes")
 
@@ -109,15 +110,7 @@ def test_the_4bit_layers_take_what_bitsandbytes_takes(tmp_path):
 
 # -- QLoRA: adapters portable both ways, merged export, training -----------------------------------
 def _train(model, steps: int = 3) -> list[float]:
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        loss = model(IDS, labels=IDS).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, torch.optim.AdamW(trainable(model), lr=1e-2), IDS, steps)
 
 
 def _qlora(base, setup: DistributedSetup | None = None, double_quant: bool = True, dora: bool = False):
@@ -357,21 +350,14 @@ def case_qlora_resumes(base: str, directory: str) -> list[float]:
 
     def fresh():
         model = _qlora(base, _setup("fsdp2"))
-        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        return model, torch.optim.AdamW(trainable(model), lr=1e-2)
 
     model, optimizer = fresh()
-    losses = []
-    for step in range(3):
-        if step == 2:  # resume into a fresh 4-bit model: adapters, optimizer state and the base as saved
-            save_checkpoint(directory, model, optimizer, step)
-            model, optimizer = fresh()
-            assert load_checkpoint(directory, model, optimizer) == 2
-        loss = model(IDS, labels=IDS).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    losses = train_steps(model, optimizer, IDS, 2)
+    save_checkpoint(directory, model, optimizer, 2)
+    model, optimizer = fresh()  # resume into a fresh 4-bit model: adapters and optimizer state as saved
+    assert load_checkpoint(directory, model, optimizer) == 2
+    return losses + train_steps(model, optimizer, IDS, 1)
 
 
 def test_a_qlora_run_resumes_from_a_sharded_checkpoint_on_2_ranks(ranks2, tmp_path):
@@ -379,3 +365,40 @@ def test_a_qlora_run_resumes_from_a_sharded_checkpoint_on_2_ranks(ranks2, tmp_pa
     expected = _train(_qlora(base))
     for losses in ranks2.run(case_qlora_resumes, str(base), str(tmp_path / "resume"), timeout=180):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
+# -- the real model: QLoRA chat SFT of SmolLM2-135M-Instruct on the bundled chat set ----------------
+SFT_STEPS = 20
+
+
+def case_smollm2_qlora_sft(path: str, output_dir: str) -> list[float]:
+    from transformers import AutoTokenizer
+
+    from nemo_wrap.default_model import bundled_chat_set
+    from nemo_wrap.recipes import SFTConfig, run_sft
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    load = LoadOptions(quantization_config=_nf4(), peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    config = SFTConfig(data=str(bundled_chat_set()), output_dir=output_dir, pack=True, max_length=128,
+                       micro_batch_size=2, steps=SFT_STEPS, lr=1e-3, load=load)  # fmt: skip
+    records = run_sft(path, DistributedSetup.build("fsdp2", world), config, AutoTokenizer.from_pretrained(path), lambda _: None)
+    return [record["loss"] for record in records if "loss" in record]
+
+
+def test_qlora_sft_of_smollm2_learns_the_chat_set_in_one_process_and_on_2_ranks(ranks2, shared_cache, tmp_path):
+    from nemo_wrap.default_model import smollm2_instruct_path
+
+    from nemo_wrap import destroy_distributed, initialize_distributed
+
+    path = str(smollm2_instruct_path(shared_cache))
+    initialize_distributed()  # a world of one, as in a notebook
+    try:
+        runs = [case_smollm2_qlora_sft(path, str(tmp_path / "single"))]
+    finally:
+        destroy_distributed()
+    runs += ranks2.run(case_smollm2_qlora_sft, path, str(tmp_path / "ranks"), timeout=600)[:1]
+    for losses in runs:
+        assert len(losses) == SFT_STEPS
+        first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+        assert last < 0.5 * first, losses  # the "Quack!" answers are learnt
+    assert (tmp_path / "ranks" / "adapter_model.safetensors").is_file()

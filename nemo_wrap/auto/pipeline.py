@@ -271,11 +271,11 @@ class LoadPipeline:
         in_adapter = set(self.adapter_keys) if from_file else {name for name in distinct if is_lora_parameter(name)}
         base = {name: t for name, t in distinct.items() if name not in in_adapter}
         group = self.same_tensors_group
-        verify_load(base, encoded_weights(self.model), self.provenance, self.adapter, self.checkpoint, group)
+        verify_load(base, self.provenance, self.adapter, self.checkpoint, group, encoded_weights(self.model))
         if self.lora is not None and self.lora.adapter_file is not None:
             adapter = {name: t for name, t in distinct.items() if name in in_adapter}
             file_view = AdapterFileAdapter(self.adapter_keys)
-            verify_load(adapter, {}, self.provenance, file_view, self.lora.adapter_file, group)
+            verify_load(adapter, self.provenance, file_view, self.lora.adapter_file, group)
 
     def _across_stages(self, names: Collection[str]) -> set[str]:
         """The union of ``names`` over every pipeline stage (this rank's alone without pipeline)."""

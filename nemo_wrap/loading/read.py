@@ -14,6 +14,7 @@ import itertools
 import re
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,16 +57,17 @@ def read_into_model(
     encoded = encoded_weights(model)
     provenance: dict[str, Provenance] = {}
     used: set[str] = set()
-    view_block = checkpoint_blocks(checkpoint, reader)
-    shapes = checkpoint_shapes(checkpoint)
+    reading = _Reading(
+        checkpoint, adapter, transform, checkpoint_shapes(checkpoint), checkpoint_blocks(checkpoint, reader)
+    )
     with torch.no_grad(), progress_bar(len(distinct) + len(encoded), "loading", show_progress) as bar:
         for name, tensor in distinct.items():
-            found = provenance[name] = _read_one(name, tensor, adapter, transform, checkpoint, shapes, view_block)
+            found = provenance[name] = _read_one(name, tensor, reading)
             if isinstance(found, Loaded):
                 used.update(found.keys)
             bar.update(1)
         for name, layer in encoded.items():
-            found = provenance[name] = _read_encoded(name, layer, adapter, transform, checkpoint, shapes, view_block)
+            found = provenance[name] = _read_encoded(name, layer, reading)
             if isinstance(found, Loaded):
                 used.update(found.keys)
             bar.update(1)
@@ -84,56 +86,65 @@ def checkpoint_blocks(checkpoint: Checkpoint, reader: BlockReader) -> BlockView:
     return lambda key, window: reader.block(entries[key], window)
 
 
-def _read_one(
-    name: str,
-    tensor: torch.Tensor,
-    adapter: StateDictAdapter,
-    transform: str,
-    checkpoint: Checkpoint,
-    shapes: dict[str, tuple[int, ...]],
-    view_block: BlockView,
-) -> Provenance:
+@dataclass(frozen=True)
+class _Reading:
+    """Where a read takes its values: the checkpoint, the adapter naming its windows (and the
+    transform the report names), every key's shape, and the views of the mapped blocks."""
+
+    checkpoint: Checkpoint
+    adapter: StateDictAdapter
+    transform: str
+    shapes: dict[str, tuple[int, ...]]
+    view_block: BlockView
+
+
+def _read_one(name: str, tensor: torch.Tensor, reading: _Reading) -> Provenance:
     geometry = shard_geometry(tensor, name)
-    blocks = adapter.blocks(name, geometry.global_shape)
-    keys = tuple(dict.fromkeys(block.hf_key for block in blocks))
-    if not keys or any(key not in shapes for key in keys):
-        return Missing(adapter.expected_keys(name))
-    check_blocks(name, geometry.global_shape, blocks, shapes, checkpoint)
-    _check_dtype_kind(name, tensor.dtype, keys, checkpoint)
-    fill_from_blocks(local_shard(tensor), geometry, blocks, view_block)
-    files = ("pickle",) if checkpoint.pickle_tensors is not None else _files_of(keys, checkpoint.entries)
-    return Loaded(files, keys, transform)
+    blocks = _checked_blocks(name, geometry.global_shape, tensor.dtype, reading)
+    if isinstance(blocks, Missing):
+        return blocks
+    fill_from_blocks(local_shard(tensor), geometry, blocks, reading.view_block)
+    return _loaded(blocks, reading, reading.transform)
 
 
-def _read_encoded(
-    name: str,
-    layer: EncodedWeight,
-    adapter: StateDictAdapter,
-    transform: str,
-    checkpoint: Checkpoint,
-    shapes: dict[str, tuple[int, ...]],
-    view_block: BlockView,
-) -> Provenance:
+def _read_encoded(name: str, layer: EncodedWeight, reading: _Reading) -> Provenance:
     """Fill a layer that holds its weight encoded (4-bit): this rank's rows of the checkpoint tensor,
     a bounded chunk of rows at a time, each encoded into the layer's storage as soon as it is read —
     so no 16-bit copy of the layer's rows is ever whole in memory."""
     shape = layer.weight_shape
-    blocks = adapter.blocks(name, shape)
-    keys = tuple(dict.fromkeys(block.hf_key for block in blocks))
-    if not keys or any(key not in shapes for key in keys):
-        return Missing(adapter.expected_keys(name))
-    check_blocks(name, shape, blocks, shapes, checkpoint)
-    _check_dtype_kind(name, layer.weight_dtype, keys, checkpoint)
+    blocks = _checked_blocks(name, shape, layer.weight_dtype, reading)
+    if isinstance(blocks, Missing):
+        return blocks
     rows, columns = layer.local_rows(), torch.arange(shape[1])
     chunk = max(1, _ENCODE_CHUNK_BYTES // (shape[1] * layer.weight_dtype.itemsize))
     layer.start_encoding()
     for first in range(0, rows.numel(), chunk):
         chunk_rows = rows[first : first + chunk]
         values = torch.empty(chunk_rows.numel(), shape[1], dtype=layer.weight_dtype)
-        fill_from_blocks(values, ShardGeometry(shape, (chunk_rows, columns)), blocks, view_block)
+        fill_from_blocks(values, ShardGeometry(shape, (chunk_rows, columns)), blocks, reading.view_block)
         layer.encode_rows(values, first)
+    return _loaded(blocks, reading, f"{reading.transform}; {layer.describe()}")
+
+
+def _checked_blocks(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, reading: _Reading
+) -> list[SourceBlock] | Missing:
+    """The windows of checkpoint tensors that fill tensor ``name``, checked to fit it exactly and
+    to be of a kind its ``dtype`` takes; :class:`Missing` when the checkpoint lacks one of them."""
+    blocks = reading.adapter.blocks(name, shape)
+    keys = tuple(dict.fromkeys(block.hf_key for block in blocks))
+    if not keys or any(key not in reading.shapes for key in keys):
+        return Missing(reading.adapter.expected_keys(name))
+    check_blocks(name, shape, blocks, reading.shapes, reading.checkpoint)
+    _check_dtype_kind(name, dtype, keys, reading.checkpoint)
+    return blocks
+
+
+def _loaded(blocks: list[SourceBlock], reading: _Reading, transform: str) -> Loaded:
+    checkpoint = reading.checkpoint
+    keys = tuple(dict.fromkeys(block.hf_key for block in blocks))
     files = ("pickle",) if checkpoint.pickle_tensors is not None else _files_of(keys, checkpoint.entries)
-    return Loaded(files, keys, f"{transform}; {layer.describe()}")
+    return Loaded(files, keys, transform)
 
 
 def _check_dtype_kind(name: str, dtype: torch.dtype, keys: tuple[str, ...], checkpoint: Checkpoint) -> None:

@@ -129,11 +129,11 @@ def _whole_checksum(tensor: torch.Tensor) -> int:
 
 def verify_load(
     tensors: dict[str, torch.Tensor],
-    encoded: dict[str, EncodedWeight],
     provenance: dict[str, Provenance],
     adapter: StateDictAdapter,
     checkpoint: Checkpoint,
     group: RankGroup,
+    encoded: dict[str, EncodedWeight] | None = None,
 ) -> None:
     """Raise :class:`LoadVerificationError` (on every rank of ``group``) naming each tensor that differs.
 
@@ -142,6 +142,7 @@ def verify_load(
     """
     with BlockReader() as reader, torch.no_grad():
         view_block = checkpoint_blocks(checkpoint, reader)
+        encoded = encoded or {}
         loaded = [name for name in {**tensors, **encoded} if isinstance(provenance.get(name), Loaded)]
         checks = [
             _encoded_check(name, encoded[name], adapter, view_block, group)

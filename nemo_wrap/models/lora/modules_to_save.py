@@ -73,7 +73,9 @@ def _tie_partners(model: nn.Module, names: list[str], ensure_weight_tying: bool)
 def _peft_key(name: str, shape: tuple[int, ...], base: StateDictAdapter) -> str:
     """PEFT's adapter-file key of one of our parameters: transformers' key under ``base_model.model.``.
     A tie target (``lm_head.weight``), which checkpoints omit, is named as it is."""
-    hf = base.to_hf({name: torch.empty(shape, device="meta")}) or {name: None}
-    if len(hf) != 1:
-        raise UnsupportedLoraOptionError(f"modules_to_save: {name} holds several transformers tensors {sorted(hf)}")
-    return f"base_model.model.{next(iter(hf))}"
+    hf_keys = list(base.to_hf({name: torch.empty(shape, device="meta")})) or [name]
+    if len(hf_keys) != 1:
+        raise UnsupportedLoraOptionError(
+            f"modules_to_save: {name} holds several transformers tensors {sorted(hf_keys)}"
+        )
+    return f"base_model.model.{hf_keys[0]}"

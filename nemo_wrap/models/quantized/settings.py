@@ -21,7 +21,7 @@ QUANT_TYPES = ("nf4", "fp4")
 STRATEGIES = ("ddp", "fsdp2")  # the strategies 4-bit layers are built and tested under
 # Degrees a 4-bit load refuses, and why: its layers hold whole rows, and the rest is not built yet.
 _REFUSED_DEGREES = {
-    "tp": "4-bit layers are sharded by whole rows only (a row-wise layer would split them by columns)",
+    "tp": "4-bit layers are sharded by whole rows only; a row-wise layer would split them by columns",
     "pp": "pipeline stages of 4-bit layers are not built",
     "cp": "context parallel with 4-bit layers is not built",
     "ep": "MoE experts are 3-D tensors, which bitsandbytes' linear layers do not hold",
