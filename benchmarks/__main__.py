@@ -5,8 +5,8 @@ it was measured on; ``RESULTS.md`` is all of them in suite order. ``--only load 
 re-runs some (names below) and keeps the others' latest tables; ``--readme`` also puts
 ``RESULTS.md`` into the README's "Measured performance" section, between its
 ``benchmarks:start`` / ``benchmarks:end`` marks.
-Each benchmark runs its measurements in fresh processes; the whole suite takes about 20 minutes
-on a 2-core machine.
+Each benchmark runs its measurements in fresh processes; the whole suite takes about 35 minutes
+on a 2-core machine (the three QLoRA tables about 14 of them).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from benchmarks import (
     bench_model_throughput,
     bench_pipeline,
     bench_precision,
+    bench_qlora,
     bench_training_step,
 )
 from benchmarks.common import Table
@@ -50,6 +51,9 @@ SUITE: dict[str, Callable[[], Table]] = {
     "context_parallel": bench_context_parallel.table,
     "expert_parallel": bench_expert_parallel.table,
     "moe_save": bench_expert_parallel.save_table,
+    "qlora_load": bench_qlora.table,
+    "qlora_step": bench_qlora.step_table,
+    "qlora_sft": bench_qlora.sft_table,
 }
 
 

@@ -35,8 +35,10 @@ from nemo_wrap.state_dict import (
     encoded_weights,
 )
 
-# How much of a 4-bit layer's rows is held in 16 (or 32) bits at once while it is quantized.
-_ENCODE_CHUNK_BYTES = 32 * 2**20
+# How many values of a 4-bit layer's rows are held in 16 (or 32) bits at once while they are
+# quantized: bitsandbytes' CPU quantizer takes ~14 bytes of temporaries per value (an fp32 copy,
+# scaled values, int32 codes), so 2M values cost ~28 MiB at once; larger chunks gain no speed.
+ENCODE_CHUNK_VALUES = 2**21
 
 # (checkpoint key, one step-1 slice per checkpoint-tensor dim) → a view of that window of the
 # checkpoint tensor, valid inside the ``with`` block
@@ -116,7 +118,7 @@ def _read_encoded(name: str, layer: EncodedWeight, reading: _Reading) -> Provena
     if isinstance(blocks, Missing):
         return blocks
     rows, columns = layer.local_rows(), torch.arange(shape[1])
-    chunk = max(1, _ENCODE_CHUNK_BYTES // (shape[1] * layer.weight_dtype.itemsize))
+    chunk = max(1, ENCODE_CHUNK_VALUES // shape[1])
     layer.start_encoding()
     for first in range(0, rows.numel(), chunk):
         chunk_rows = rows[first : first + chunk]
