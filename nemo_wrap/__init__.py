@@ -23,6 +23,7 @@ from nemo_wrap.errors import (
     DistributedStateError,
     InvalidSetupError,
     LoadVerificationError,
+    MissingExtraError,
     MissingWeightsError,
     NeMoWrapError,
     PipelineUsageError,
@@ -33,6 +34,7 @@ from nemo_wrap.errors import (
     UnexpectedKeysError,
     UnsafeCheckpointError,
     UnsupportedModelError,
+    UnsupportedQuantizationError,
     UnsupportedSetupError,
 )
 
@@ -70,6 +72,7 @@ __all__ = [
     "LoadPlan",
     "LoadReport",
     "LoadVerificationError",
+    "MissingExtraError",
     "MissingWeightsError",
     "ModelSpec",
     "NeMoAutoModelForCausalLM",
@@ -84,6 +87,7 @@ __all__ = [
     "UnexpectedKeysError",
     "UnsafeCheckpointError",
     "UnsupportedModelError",
+    "UnsupportedQuantizationError",
     "UnsupportedSetupError",
     "destroy_distributed",
     "initialize_distributed",
