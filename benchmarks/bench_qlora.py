@@ -317,7 +317,7 @@ def table(repeats: int = 2) -> Table:
         "model holds touched after loading; all cells of a row, ratios included, are of the same run (2 ranks: each "
         "column's worst rank, each ratio a rank's own). No adapters. Logits: ours (one process) against "
         "transformers' 4-bit model on 2 × 32 random token ids. One block: the most checkpoint bytes a rank maps at "
-        "once (its share of the largest unquantized tensor, read whole, or one chunk of 2M values of a 4-bit layer; "
+        "once (its share of the largest unquantized tensor, read whole, or one chunk of 1M values of a 4-bit layer; "
         "for transformers' row, ours in one process). Targets: peak ≤ 1.2 × (held + one block), held per rank on 2 "
         "ranks ≤ 0.3 × the bf16 base.",
     )
