@@ -385,20 +385,13 @@ def case_smollm2_qlora_sft(path: str, output_dir: str) -> list[float]:
     return [record["loss"] for record in records if "loss" in record]
 
 
-def test_qlora_sft_of_smollm2_learns_the_chat_set_in_one_process_and_on_2_ranks(ranks2, shared_cache, tmp_path):
+def test_qlora_sft_of_smollm2_learns_the_chat_set_on_2_ranks(ranks2, shared_cache, tmp_path):
+    """The real model under fsdp2 (one process: ``bench_qlora``'s SFT table, and the tiny models above)."""
     from nemo_wrap.default_model import smollm2_instruct_path
 
-    from nemo_wrap import destroy_distributed, initialize_distributed
-
     path = str(smollm2_instruct_path(shared_cache))
-    initialize_distributed()  # a world of one, as in a notebook
-    try:
-        runs = [case_smollm2_qlora_sft(path, str(tmp_path / "single"))]
-    finally:
-        destroy_distributed()
-    runs += ranks2.run(case_smollm2_qlora_sft, path, str(tmp_path / "ranks"), timeout=600)[:1]
-    for losses in runs:
-        assert len(losses) == SFT_STEPS
-        first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
-        assert last < 0.5 * first, losses  # the "Quack!" answers are learnt
+    losses = ranks2.run(case_smollm2_qlora_sft, path, str(tmp_path / "ranks"), timeout=600)[0]
+    assert len(losses) == SFT_STEPS
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < 0.5 * first, losses  # the "Quack!" answers are learnt
     assert (tmp_path / "ranks" / "adapter_model.safetensors").is_file()
