@@ -95,6 +95,15 @@ def test_fp4_and_a_bf16_checkpoint_are_transformers_too(tmp_path):
         torch.testing.assert_close(ours(IDS).logits, reference(IDS).logits, atol=0, rtol=0)
 
 
+def test_a_4bit_model_saves_its_dequantized_weights_for_plain_transformers(tmp_path):
+    base = write_checkpoint(tmp_path / "base", "own-qwen2", "random", tie=False)
+    ours = NeMoAutoModelForCausalLM.from_pretrained(base, quantization_config=_nf4())
+    ours.save_pretrained(tmp_path / "saved")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")  # no quantization_config: plain weights
+    assert saved.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+    torch.testing.assert_close(saved(IDS).logits, ours(IDS).logits, atol=1e-5, rtol=0)
+
+
 def test_the_4bit_layers_take_what_bitsandbytes_takes(tmp_path):
     """Per weight element: 4 bits plus an fp32 absmax per 64 (0.5625 bytes), or an 8-bit absmax
     with double quantization (~0.516 bytes): ≤ 0.3× of a 16-bit weight."""
