@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from benchmarks.bench_from_pretrained import CHECKPOINT
@@ -41,21 +42,31 @@ def _model(kind: str, checkpoint: str):
 
 
 def measure(kind: str) -> dict[str, Any]:
+    return measure_steps(_model(kind, str(CHECKPOINT_100M)))
+
+
+def _plain_step(model: Any, optimizer: Any, tokens: Any) -> None:
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure_steps(model: Any, step: Callable[[Any, Any, Any], None] = _plain_step) -> dict[str, Any]:
+    """AdamW over ``model``'s trainable parameters, the same batch every step: the median of the
+    steps after the warm-up, the RSS once loaded, the peak RSS and the trainable count. ``step(model,
+    optimizer, tokens)`` is one step (default: forward, backward, update)."""
     import torch
 
-    model = _model(kind, str(CHECKPOINT_100M))
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     loaded_mib = status_mib("VmRSS")
     tokens = torch.randint(0, 32000, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(0))
     times = []
-    for step in range(WARMUP + STEPS):
+    for number in range(WARMUP + STEPS):
         started = time.perf_counter()
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step >= WARMUP:
+        step(model, optimizer, tokens)
+        if number >= WARMUP:
             times.append(time.perf_counter() - started)
     return {
         "seconds": statistics.median(times),
@@ -65,11 +76,16 @@ def measure(kind: str) -> dict[str, Any]:
     }
 
 
-def table() -> Table:
+def make_checkpoint_100m() -> None:
+    """The 100M Llama (random fp32 weights) the step benchmarks train, written once."""
     if not (CHECKPOINT_100M / "config.json").exists():
         from transformers import LlamaForCausalLM
 
         LlamaForCausalLM(llama_100m_config()).save_pretrained(CHECKPOINT_100M)
+
+
+def table() -> Table:
+    make_checkpoint_100m()
     result = Table(
         f"training step, 100M Llama fp32, one process, {BATCH} × {SEQUENCE} tokens, AdamW, LoRA r=16 all-linear",
         ["step", "RSS after loading", "peak RSS", "trainable parameters"],

@@ -33,13 +33,19 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_from_pretrained import CHECKPOINT, make_checkpoint
-from benchmarks.bench_lora_step import CHECKPOINT_100M
-from benchmarks.bench_training_step import llama_100m_config
+from benchmarks.bench_lora_step import (
+    BATCH,
+    CHECKPOINT_100M,
+    SEQUENCE,
+    STEPS,
+    WARMUP,
+    make_checkpoint_100m,
+    measure_steps,
+)
 from benchmarks.common import Table, best_of, measure_main, reset_peak_rss, run_measure, status_mib, touch
 
 MODULE = "benchmarks.bench_qlora"
 LOGIT_SHAPE = (2, 32)
-BATCH, SEQUENCE, WARMUP, STEPS = 2, 256, 1, 6
 SFT_STEPS, SFT_LENGTH, SFT_ROWS, SFT_LR = 20, 256, 4, 1e-3  # SFT_ROWS packed rows a step, over all ranks
 CHECKPOINTS = {"1b": "1.1B Llama bf16", "smol": "SmolLM2-135M-Instruct"}
 LOAD_CASES = {
@@ -196,31 +202,17 @@ def _step_model(case: str, setup):
 
 
 def _measure_step(case: str) -> dict[str, Any]:
-    import torch
-
     from nemo_wrap import DistributedSetup, initialize_distributed
     from nemo_wrap.training import train_step
 
     setup = DistributedSetup.build("fsdp2", initialize_distributed().world_size) if case == "qlora-fsdp2" else None
-    model = _step_model(case, setup)
-    model.train()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    loaded_mib = status_mib("VmRSS")
-    tokens = torch.randint(0, 32000, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(0))
-    times = []
-    for step in range(WARMUP + STEPS):
-        started = time.perf_counter()
-        if setup is not None:  # the same 2 rows a step, one a rank
-            train_step(model, optimizer, [{"input_ids": tokens[setup.dp_rank() :: setup.dp_size]}])
-        else:
-            model(input_ids=tokens, labels=tokens).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if step >= WARMUP:
-            times.append(time.perf_counter() - started)
-    return {"seconds": statistics.median(times), "loaded_mib": loaded_mib, "peak_mib": status_mib("VmHWM"),
-            "trainable": sum(p.numel() for p in trainable)}  # fmt: skip
+    if setup is None:
+        return measure_steps(_step_model(case, None))
+
+    def sharded_step(model: Any, optimizer: Any, tokens: Any) -> None:  # the same 2 rows a step, one a rank
+        train_step(model, optimizer, [{"input_ids": tokens[setup.dp_rank() :: setup.dp_size]}])
+
+    return measure_steps(_step_model(case, setup), sharded_step)
 
 
 def _sft_config(output_dir: str, ranks: int):
@@ -332,10 +324,7 @@ def table(repeats: int = 2) -> Table:
 
 def step_table() -> Table:
     """``qlora_step``: one LoRA / QLoRA step of the 100M Llama, ours against PEFT over transformers."""
-    if not (CHECKPOINT_100M / "config.json").exists():
-        from transformers import LlamaForCausalLM
-
-        LlamaForCausalLM(llama_100m_config()).save_pretrained(CHECKPOINT_100M)
+    make_checkpoint_100m()
     rows = {case: run_measure(MODULE, f"step-{case}", 2 if case.endswith("fsdp2") else 1) for case in STEP_CASES}
     peer = rows["peft"][0]
     result = Table(
