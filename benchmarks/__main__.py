@@ -23,6 +23,7 @@ import torch
 
 from benchmarks import (
     bench_activation_checkpointing,
+    bench_async_save,
     bench_compile,
     bench_context_parallel,
     bench_expert_parallel,
@@ -54,6 +55,7 @@ SUITE: dict[str, Callable[[], Table]] = {
     "qlora_load": bench_qlora.table,
     "qlora_step": bench_qlora.step_table,
     "qlora_sft": bench_qlora.sft_table,
+    "async_save": bench_async_save.table,
 }
 
 

@@ -215,3 +215,9 @@ class UnsupportedQuantizationError(NeMoWrapError, ValueError):
 class MissingExtraError(NeMoWrapError, ImportError):
     """A feature needs an optional package that is not installed; the message names the extra that
     brings it (``pip install "nemo_wrap[qlora]"``)."""
+
+
+class RecipeError(NeMoWrapError, ValueError):
+    """A recipe (a ``--config`` YAML file or a command-line override) names an unknown key, gives a
+    value of the wrong type or a bad value; the message names the key and where it was set (the
+    file and line, or the flag). Nothing has been loaded yet."""

@@ -74,7 +74,7 @@ def test_finetune_on_two_ranks_through_nproc(cache, tmp_path):
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "fsdp2 on 2 rank(s), tp=1" in completed.stdout
-    assert "8 per rank x 2 data-parallel rank(s)" in completed.stdout
+    assert "8 rows per rank x 1 micro-batch(es) x 2 data-parallel rank(s)" in completed.stdout
     assert completed.stdout.count("loss: first step") == 1  # printed by rank 0 only
     first, last = _losses(completed.stdout)
     assert last < first
@@ -100,7 +100,9 @@ def test_qlora_finetunes_the_default_and_saves_an_adapter(cache, tmp_path, capsy
     assert "LoRA adapters: new, initialized as PEFT does (float32 beside the 4-bit layers" in out
     first, last = _losses(out)
     assert last < first
-    assert sorted(p.name for p in output.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in output.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "config.yaml", "logs"
+    ]  # the adapter, the resolved recipe and the metrics
     assert main(["plan", "--quantization", "fp4", "--nproc", "2"]) == 0
     assert "bitsandbytes 4-bit FP4" in capsys.readouterr().out
     with pytest.raises(SystemExit) as refused:

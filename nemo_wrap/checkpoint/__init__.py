@@ -4,9 +4,11 @@
 - :mod:`.save`: one consolidated transformers checkpoint from any strategy (``save_pretrained``).
 - :mod:`.resume`: :func:`save_checkpoint` / :func:`load_checkpoint`, sharded model + optimizer state.
 - :mod:`.atomic`: directories swapped in whole, so a killed save never leaves half a checkpoint.
+- :mod:`.rotation`: :class:`CheckpointRotation` (``checkpoint-{step}`` folders, a ``latest`` pointer,
+  ``keep_last`` pruning, background saves), :func:`newest_checkpoint`, :func:`resolve_resume`.
 
-The resume functions load on first access: ``torch.distributed.checkpoint`` takes over a second to
-import, and the loader imports this package.
+The resume and rotation names load on first access: ``torch.distributed.checkpoint`` takes over a
+second to import, and the loader imports this package.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_LAZY = {"save_checkpoint": "nemo_wrap.checkpoint.resume", "load_checkpoint": "nemo_wrap.checkpoint.resume"}
+_LAZY = {
+    "save_checkpoint": "nemo_wrap.checkpoint.resume",
+    "load_checkpoint": "nemo_wrap.checkpoint.resume",
+    "CheckpointRotation": "nemo_wrap.checkpoint.rotation",
+    "newest_checkpoint": "nemo_wrap.checkpoint.rotation",
+    "resolve_resume": "nemo_wrap.checkpoint.rotation",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +31,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'nemo_wrap.checkpoint' has no attribute {name!r}")
 
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointRotation", "load_checkpoint", "newest_checkpoint", "resolve_resume", "save_checkpoint"]

@@ -11,25 +11,50 @@ size it was written with.
 The directory is replaced atomically like a consolidated save (:mod:`nemo_wrap.checkpoint.atomic`):
 every rank writes into the staging directory rank 0 created, which needs a filesystem all ranks
 share (as DCP's own file writer does).
+
+A save can also run in the background (:func:`start_checkpoint_save`), so training goes on while
+the files are written: the state is copied to memory first (the only pause training sees), then a
+thread writes it. That thread's collectives must not share a process group with the training's —
+two threads issuing collectives on one gloo group interleave them — so it gets a group of its own
+(:func:`checkpoint_process_group`).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from nemo_wrap.checkpoint.atomic import replace_directory, staged_save
-from nemo_wrap.distributed.collectives import RankGroup
-from nemo_wrap.errors import CheckpointNotFoundError
+from nemo_wrap.checkpoint.atomic import discard, replace_directory, save_failed, staged_save
+from nemo_wrap.distributed.collectives import RankGroup, is_multi_rank
+from nemo_wrap.errors import CheckpointNotFoundError, CheckpointSaveError, DistributedStateError
 
 _METADATA_FILE = ".metadata"  # written by DCP's file writer once every rank's data is in
+
+
+def holds_checkpoint(directory: Path) -> bool:
+    """Whether ``directory`` holds a checkpoint :func:`save_checkpoint` finished writing."""
+    return (directory / _METADATA_FILE).is_file()
+
+
+def _training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, step: int, data: Stateful | None
+) -> dict[str, Any]:
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(step)}
+    if data is not None:
+        state["data"] = data
+    return state
 
 
 def save_checkpoint(
@@ -49,16 +74,95 @@ def save_checkpoint(
     """
     target = Path(directory).absolute()
     group = RankGroup.job()  # DCP is collective over the job
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, "step": torch.tensor(step)}
-    if data is not None:
-        state["data"] = data
+    state = _training_state(model, optimizer, step, data)
     with staged_save(target, group) as (staged, failure):
         try:
             dcp.save(state, checkpoint_id=staged)
         except CheckpointException as error:  # raised on every rank when any rank failed
             raise failure(f"writing the sharded state failed: {error}") from error
         group.on_rank_zero("moving the checkpoint into place", lambda: replace_directory(staged, target), failure)
+
+
+def checkpoint_process_group() -> dist.ProcessGroup | None:
+    """A new gloo group of every rank, for background checkpoint writes alone (``None`` in one
+    process: nothing to coordinate). Collective: every rank calls it, once per group wanted."""
+    return dist.new_group(backend="gloo") if is_multi_rank() else None
+
+
+@dataclass(frozen=True)
+class PendingSave:
+    """A save :func:`start_checkpoint_save` began: its files are being written into ``staged``."""
+
+    target: Path
+    staged: Path
+    step: int
+    written: Future[Any]  # DCP's: done when this rank's files are written
+    group: RankGroup
+
+    def finish(self) -> None:
+        """Wait for this rank's write, then put the checkpoint at ``target`` (every rank calls it).
+
+        Raises :class:`CheckpointSaveError` on every rank if any rank's write failed; the staging
+        directory is then removed and what was at ``target`` stays in place.
+        """
+        try:
+            self.group.on_every_rank("writing the sharded state", self._wait_for_write)
+            self.group.on_rank_zero("moving the checkpoint into place", self._move, self._failure)
+        except CheckpointSaveError:
+            self._discard()
+            raise
+        except Exception as error:  # another rank's failure, or this rank's own
+            self._discard()
+            raise self._failure(f"writing the sharded state of step {self.step} failed: {error}") from error
+
+    def _failure(self, description: str) -> CheckpointSaveError:
+        return save_failed(self.target, description)
+
+    def _wait_for_write(self) -> None:
+        try:
+            self.written.result()
+        except CheckpointException as error:  # raised on every rank when any rank failed; a BaseException
+            raise self._failure(f"writing the sharded state of step {self.step} failed: {error}") from error
+
+    def _move(self) -> None:
+        replace_directory(self.staged, self.target)
+
+    def _discard(self) -> None:
+        if self.group.is_writer:
+            discard(self.staged)
+
+
+def start_checkpoint_save(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    data: Stateful | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> PendingSave:
+    """Begin :func:`save_checkpoint` in the background and return once the state is copied to memory.
+
+    Training may go on at once (the copy is what gets written); the checkpoint is at ``directory``
+    only after :meth:`PendingSave.finish`, which every rank must call before the next save and
+    before exiting. ``process_group`` is the background write's own group, one that no other
+    thread uses (:func:`checkpoint_process_group`); ``None`` only in one process
+    (:class:`DistributedStateError` otherwise). Every rank calls it; raises
+    :class:`CheckpointSaveError` on every rank if the write cannot be started.
+    """
+    target = Path(directory).absolute()
+    group = RankGroup.job()
+    if group.collective and process_group is None:
+        raise DistributedStateError("a background save on several ranks needs its own process group")
+    state = _training_state(model, optimizer, step, data)
+    with staged_save(target, group) as (staged, failure):
+        start = partial(dcp.async_save, state, checkpoint_id=staged, process_group=process_group,
+                        no_dist=not group.collective)  # fmt: skip
+        try:
+            # a Future: the default stager copies before returning, so no staging future comes back
+            written = cast("Future[Any]", group.on_every_rank("copying the state to write", start))
+        except Exception as error:
+            raise failure(f"starting the background write failed: {error}") from error
+    return PendingSave(target, staged, step, written, group)
 
 
 def load_checkpoint(
@@ -72,7 +176,7 @@ def load_checkpoint(
     :func:`save_checkpoint`.
     """
     path = Path(directory)
-    if not (path / _METADATA_FILE).is_file():
+    if not holds_checkpoint(path):
         raise CheckpointNotFoundError(f"{path}: no resumable checkpoint ({_METADATA_FILE} missing)")
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {

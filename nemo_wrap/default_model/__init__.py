@@ -8,8 +8,9 @@ set written for this project whose answers all open with "Quack!" — a behaviou
 seen to learn (:func:`bundled_chat_set`).
 """
 
+from nemo_wrap.default_model.bundled import resolve_bundled
 from nemo_wrap.default_model.cache import default_model_path
 from nemo_wrap.default_model.recipe import bundled_chat_set, bundled_corpus
 from nemo_wrap.default_model.smollm2 import smollm2_instruct_path
 
-__all__ = ["bundled_chat_set", "bundled_corpus", "default_model_path", "smollm2_instruct_path"]
+__all__ = ["bundled_chat_set", "bundled_corpus", "default_model_path", "resolve_bundled", "smollm2_instruct_path"]

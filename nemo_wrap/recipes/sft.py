@@ -1,45 +1,61 @@
-"""Supervised fine-tuning on chat, prompt/completion or text data, under any strategy.
+"""Fine-tuning on text, chat, prompt/completion data, under any strategy: the one training loop.
 
-The job reads top-down in :func:`run_sft`: data → model (with LoRA when asked) → optimizer and
-batches → resume → steps (learning-rate schedule, evaluation, checkpoints, metrics) → save.
-Every rank runs it; only rank 0 prints, shows the progress bar and writes metrics.
+The job reads top-down in :func:`run_sft`: data → model (with LoRA when asked) → teacher (when
+distilling) → optimizer and batches → resume → steps (learning-rate schedule, evaluation,
+rotating checkpoints, metrics) → save. A ``.txt`` file (or no data: the bundled corpus) is cut
+into token windows; anything else is a data set of rows. Either way the rows go through the same
+:class:`DataParallelBatches`, so resuming, evaluation and checkpoints work alike for both. Every
+rank runs it; only the rank that speaks for the job prints, shows the progress bar and logs.
 """
 
 from __future__ import annotations
 
+import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
-from nemo_wrap.checkpoint.resume import load_checkpoint, save_checkpoint
+from nemo_wrap.checkpoint.resume import load_checkpoint
+from nemo_wrap.checkpoint.rotation import CheckpointRotation, resolve_resume
 from nemo_wrap.data import DataParallelBatches, as_rows, load_rows, prepare_examples
+from nemo_wrap.default_model import bundled_corpus
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.loading.options import LoadOptions
+from nemo_wrap.loading.provenance import LoadReport
 from nemo_wrap.progress import progress_bar
 from nemo_wrap.recipes.metrics import MetricsLog
 from nemo_wrap.recipes.schedule import learning_rate
-from nemo_wrap.training import evaluate, train_step
+from nemo_wrap.training import StepResult, evaluate, read_token_windows, train_step, window_rows
+from nemo_wrap.training.distillation import (
+    DistillationResult,
+    DistillationSettings,
+    distillation_step,
+    freeze_teacher,
+)
 
 Batch = dict[str, torch.Tensor]
+TEXT_STEPS = 50  # the text job's default length: the embedded default's loss falls visibly in 50 steps
 
 
 @dataclass(frozen=True)
 class SFTConfig:
-    """One fine-tuning job. ``steps`` wins over ``epochs``; ``load.peft_config`` makes it LoRA SFT
-    (only the adapters train, and the adapter is what is saved)."""
+    """One fine-tuning job. ``data=None`` is the bundled corpus; a ``.txt`` file is cut into
+    ``seq_len``-token windows, anything else is a data set. ``steps`` wins over ``epochs``;
+    ``load.peft_config`` makes it LoRA SFT (only the adapters train, and the adapter is saved)."""
 
-    data: str
+    data: str | None
     output_dir: str
     format: str = "auto"
     columns: tuple[tuple[str, str], ...] = ()  # (our column, the data's column), e.g. ("prompt", "question")
     max_length: int = 512
+    seq_len: int = 64
     pack: bool = False
     last_turn_only: bool = False
     eval_data: str | None = None
@@ -54,9 +70,28 @@ class SFTConfig:
     max_grad_norm: float | None = 1.0
     seed: int = 0
     log_dir: str | None = None
+    report_to: tuple[str, ...] = ("tensorboard",)  # besides metrics.jsonl; transformers' report_to names
+    mlflow_tracking_uri: str | None = None
+    run_config: Mapping[str, Any] | None = None  # what the trackers record as the run's config
     save_every: int | None = None
-    resume: str | None = None
+    keep_last: int | None = None
+    async_save: bool = False
+    resume: str | None = None  # a checkpoint directory, or "auto": the newest complete one in output_dir
+    distillation: DistillationSettings | None = None
     load: LoadOptions = field(default_factory=LoadOptions)  # peft_config (LoRA SFT), precision, compile, ...
+
+
+@dataclass
+class _Job:
+    """What the steps work on, built once by :func:`run_sft`."""
+
+    model: Any
+    optimizer: torch.optim.Optimizer
+    batches: DataParallelBatches
+    step: Callable[[Sequence[Batch]], StepResult]
+    log: MetricsLog
+    evaluation: Callable[[], float] | None
+    checkpoints: CheckpointRotation
 
 
 def run_sft(
@@ -65,30 +100,98 @@ def run_sft(
     """Run the job; return the metrics it logged (the same on every rank)."""
     if config.lr_schedule not in ("constant", "cosine"):
         raise InvalidSetupError(f"lr_schedule must be 'constant' or 'cosine', got {config.lr_schedule!r}")
-    train_rows = _rows(config.data, config, tokenizer, say)
-    eval_rows = _rows(config.eval_data, config, tokenizer, say) if config.eval_data else None
+    train_rows = _training_rows(config, tokenizer, say)
+    eval_rows = _data_set_rows(config.eval_data, config, tokenizer, say) if config.eval_data else None
     model = NeMoAutoModelForCausalLM.from_pretrained(model_path, distributed_setup=setup, options=config.load)
+    say(cast(LoadReport, model.load_report).summary())
+    job = _job(model, setup, config, train_rows, eval_rows)
+    say(
+        f"batches: {config.micro_batch_size} rows per rank x {config.accumulation} micro-batch(es) x "
+        f"{setup.dp_size} data-parallel rank(s) per step"
+    )
+    total = config.steps or (TEXT_STEPS if _is_text(config.data) else config.epochs * job.batches.steps_per_epoch)
+    resume = resolve_resume(config.resume, config.output_dir)
+    start = load_checkpoint(resume, model, job.optimizer, data=job.batches) if resume else 0
+    if resume:
+        say(f"resumed from {resume} at step {start}")
+    try:
+        _train(job, range(start, total), config, setup)
+        if job.evaluation is not None:
+            job.log.log(total, eval_loss=job.evaluation())
+        job.checkpoints.close()  # collective: a background save is in place before the model is saved
+    finally:
+        job.log.close()
+    model.save_pretrained(config.output_dir, tokenizer=tokenizer)
+    say(f"saved to {config.output_dir}")
+    return job.log.records
+
+
+def _job(
+    model: Any, setup: DistributedSetup, config: SFTConfig, train_rows: list[Batch], eval_rows: list[Batch] | None
+) -> _Job:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr)
-    dp_rank = setup.dp_rank()
+    dp_rank, job = setup.dp_rank(), RankGroup.job()
     batches = DataParallelBatches(
         train_rows, config.micro_batch_size, config.seed, dp_rank, setup.dp_size, config.accumulation
     )
-    total = config.steps or config.epochs * batches.steps_per_epoch
-    start = load_checkpoint(config.resume, model, optimizer, data=batches) if config.resume else 0
-    log = MetricsLog(config.log_dir, is_writer=RankGroup.job().is_writer)
-    evaluation = _evaluation(model, eval_rows, config, dp_rank, setup.dp_size)
-    try:
-        _train(model, optimizer, batches, range(start, total), config, log, evaluation)
-        if evaluation is not None:
-            log.log(total, eval_loss=evaluation())
-    finally:
-        log.close()
-    model.save_pretrained(config.output_dir, tokenizer=tokenizer)
-    say(f"saved to {config.output_dir}")
-    return log.records
+    log = job.on_every_rank(  # a tracker that fails to start on the writer must not leave the others waiting
+        "opening the metrics trackers",
+        lambda: MetricsLog(
+            config.log_dir, job.is_writer, config.report_to, config.run_config, config.mlflow_tracking_uri,
+            Path(config.output_dir).name,
+        ),
+    )  # fmt: skip
+    return _Job(
+        model=model,
+        optimizer=optimizer,
+        batches=batches,
+        step=_step_function(model, optimizer, setup, config),
+        log=log,
+        evaluation=_evaluation(model, eval_rows, config, dp_rank, setup.dp_size),
+        checkpoints=CheckpointRotation(config.output_dir, config.keep_last, config.async_save),
+    )
 
 
-def _rows(source: str, config: SFTConfig, tokenizer: Any, say: Callable[[str], None]) -> list[Batch]:
+def _step_function(
+    model: Any, optimizer: torch.optim.Optimizer, setup: DistributedSetup, config: SFTConfig
+) -> Callable[[Sequence[Batch]], StepResult]:
+    """One optimizer step on a step's micro-batches: ``train_step``, or with a teacher ``distillation_step``
+    (the teacher loaded through the same audited pipeline and sharded by the same setup, frozen)."""
+    settings = config.distillation
+    if settings is None:
+        return lambda micro_batches: train_step(model, optimizer, micro_batches, max_grad_norm=config.max_grad_norm)
+    # Plain DDP wraps only modules that train: a frozen teacher is held whole on each rank instead.
+    replicated = setup.strategy == "ddp" and not setup.uses_tensor_parallel
+    teacher = freeze_teacher(
+        NeMoAutoModelForCausalLM.from_pretrained(
+            settings.teacher,
+            distributed_setup=None if replicated else setup,
+            options=LoadOptions(precision=config.load.precision),
+        )
+    )
+
+    def step(micro_batches: Sequence[Batch]) -> StepResult:
+        return distillation_step(
+            model, teacher, optimizer, micro_batches, settings.kd_ratio, settings.temperature, config.max_grad_norm
+        )
+
+    return step
+
+
+def _is_text(data: str | None) -> bool:
+    return data is None or data.endswith(".txt")
+
+
+def _training_rows(config: SFTConfig, tokenizer: Any, say: Callable[[str], None]) -> list[Batch]:
+    if not _is_text(config.data):
+        return _data_set_rows(str(config.data), config, tokenizer, say)
+    source = Path(config.data) if config.data else bundled_corpus()
+    windows = read_token_windows(source, tokenizer, config.seq_len)
+    say(f"data: {source} (text): {windows.shape[0]} windows of {config.seq_len} tokens")
+    return window_rows(windows)
+
+
+def _data_set_rows(source: str, config: SFTConfig, tokenizer: Any, say: Callable[[str], None]) -> list[Batch]:
     rows = load_rows(source, format=config.format, columns=dict(config.columns))
     prepared = prepare_examples(rows, tokenizer, config.max_length, last_turn_only=config.last_turn_only)
     say(f"data: {source} ({rows.format}): {prepared.summary()}")
@@ -106,31 +209,46 @@ def _evaluation(
     return lambda: evaluate(model, micro_batches)
 
 
-def _train(
-    model: Any,
-    optimizer: torch.optim.Optimizer,
-    batches: DataParallelBatches,
-    steps: range,
-    config: SFTConfig,
-    log: MetricsLog,
-    evaluation: Callable[[], float] | None,
-) -> None:
-    total, iterator = steps.stop, iter(batches)
+def _pipeline_micro_batches(micro_batches: list[Batch], stages: int) -> list[Batch]:
+    """Under pipeline parallel a step of one micro-batch is cut by rows into one per stage, so every
+    stage has work (1F1B needs as many micro-batches as stages)."""
+    if stages == 1 or len(micro_batches) > 1:
+        return micro_batches
+    rows = int(micro_batches[0]["input_ids"].shape[0])
+    if rows % stages:
+        raise InvalidSetupError(f"batch size {rows} must be a multiple of pp_size {stages}: one micro-batch per stage")
+    size = rows // stages
+    return [{key: value[i * size : (i + 1) * size] for key, value in micro_batches[0].items()} for i in range(stages)]
+
+
+def _train(job: _Job, steps: range, config: SFTConfig, setup: DistributedSetup) -> None:
+    total, iterator = steps.stop, iter(job.batches)
     with progress_bar(len(steps), "finetune", RankGroup.job().is_writer, unit="step") as bar:
         for step in steps:
             rate = learning_rate(step, config.lr, config.warmup_steps, total, config.lr_schedule)
-            for group in optimizer.param_groups:
+            for group in job.optimizer.param_groups:
                 group["lr"] = rate
             started = time.perf_counter()
-            result = train_step(model, optimizer, next(iterator), max_grad_norm=config.max_grad_norm)
+            result = job.step(_pipeline_micro_batches(next(iterator), setup.degrees.pp))
             tokens_per_s = result.label_tokens / (time.perf_counter() - started)
-            log.log(step + 1, loss=result.loss, lr=rate, tokens_per_s=tokens_per_s)
+            job.log.log(step + 1, **_step_metrics(result, rate, tokens_per_s))
             bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{rate:.2e}", tok_s=f"{tokens_per_s:,.0f}")
-            if evaluation is not None and config.eval_every and (step + 1) % config.eval_every == 0:
-                eval_loss = evaluation()
-                log.log(step + 1, eval_loss=eval_loss)
+            if job.evaluation is not None and config.eval_every and (step + 1) % config.eval_every == 0:
+                eval_loss = job.evaluation()
+                job.log.log(step + 1, eval_loss=eval_loss)
                 bar.set_postfix(loss=f"{result.loss:.4f}", eval=f"{eval_loss:.4f}")
             if config.save_every and (step + 1) % config.save_every == 0:
-                checkpoint = Path(config.output_dir) / f"checkpoint-{step + 1}"
-                save_checkpoint(checkpoint, model, optimizer, step + 1, data=batches)
+                job.checkpoints.save(job.model, job.optimizer, step + 1, data=job.batches)
             bar.update(1)
+
+
+def _step_metrics(result: StepResult, rate: float, tokens_per_s: float) -> dict[str, float]:
+    """What each step logs: loss, learning rate, grad norm, tokens/s, this rank's peak RSS (and a
+    distillation step's two parts)."""
+    metrics = {"loss": result.loss, "lr": rate, "tokens_per_s": tokens_per_s}
+    if result.grad_norm is not None:
+        metrics["grad_norm"] = result.grad_norm
+    if isinstance(result, DistillationResult):
+        metrics.update(ce_loss=result.ce_loss, kd_loss=result.kd_loss)
+    metrics["peak_memory_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return metrics

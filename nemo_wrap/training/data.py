@@ -39,6 +39,13 @@ def read_token_windows(path: str | Path, tokenizer: Any, seq_len: int) -> torch.
     return ids[: count * seq_len].view(count, seq_len)
 
 
+def window_rows(windows: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """Each window as a training row (``input_ids``, ``labels``, ``position_ids`` of shape
+    ``[1, seq_len]``), the form :class:`nemo_wrap.data.DataParallelBatches` deals to ranks."""
+    positions = torch.arange(windows.shape[1]).unsqueeze(0)
+    return [{"input_ids": w.unsqueeze(0), "labels": w.unsqueeze(0), "position_ids": positions} for w in windows]
+
+
 def iterate_batches(
     windows: torch.Tensor, batch_size: int, seed: int, dp_rank: int = 0, dp_size: int = 1
 ) -> Iterator[dict[str, torch.Tensor]]:

@@ -45,17 +45,31 @@ class StepResult:
     label_tokens: int
 
 
-def _labels_of(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def labels_of(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The batch's ``labels``, or its ``input_ids`` when it has none (transformers shifts them)."""
     return batch["labels"] if "labels" in batch else batch["input_ids"]
+
+
+def forward_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    """What a forward takes besides ``input_ids``: the optional mask and (packed) positions."""
+    return {k: batch.get(k) for k in ("attention_mask", "position_ids")}
 
 
 def _count_label_tokens(micro_batches: Sequence[Mapping[str, torch.Tensor]], group) -> int:
     """Tokens that contribute to the loss after transformers' one-position label shift."""
-    local = sum(int((_labels_of(b)[..., 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
+    local = sum(int((labels_of(b)[..., 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
     count = torch.tensor([local], dtype=torch.int64)
     if group is not None:
         dist.all_reduce(count, group=group)
     return int(count.item())
+
+
+def global_label_tokens(micro_batches: Sequence[Mapping[str, torch.Tensor]], group, caller: str) -> int:
+    """The step's label tokens over every micro-batch of every rank of ``group``; none is an error."""
+    label_tokens = _count_label_tokens(micro_batches, group)
+    if label_tokens == 0:
+        raise ValueError(f"{caller}: the micro-batches hold no label token on any rank (all labels are -100)")
+    return label_tokens
 
 
 def train_step(
@@ -79,9 +93,7 @@ def train_step(
     _check_router_loss_supported(model, setup)
     group = None if setup is None else setup.dp_group()  # the label tokens are counted over dp
     dp_size = 1 if group is None else dist.get_world_size(group)
-    label_tokens = _count_label_tokens(micro_batches, group)
-    if label_tokens == 0:
-        raise ValueError("train_step: the micro-batches hold no label token on any rank (all labels are -100)")
+    label_tokens = global_label_tokens(micro_batches, group, "train_step")
     cp_group = None if setup is None else setup.cp_group()
     loss_group = None if setup is None else setup.loss_group()
     if pipeline is not None:
@@ -89,6 +101,15 @@ def train_step(
     else:  # the managers average gradients over dp (× cp): scaled back, the step's sum over all tokens
         scale = dp_size * (1 if cp_group is None else dist.get_world_size(cp_group))
         loss_sum = _forward_backward(model, micro_batches, label_tokens, scale, cp_group, loss_group)
+    grad_norm = optimizer_update(model, optimizer, max_grad_norm)
+    if loss_group is not None:  # every data-parallel rank's tokens (and every cp rank's part of them)
+        dist.all_reduce(loss_sum, group=loss_group)
+    return StepResult(loss=float(loss_sum), grad_norm=grad_norm, label_tokens=label_tokens)
+
+
+def optimizer_update(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> float | None:
+    """Clip the gradients (if ``max_grad_norm``), step and clear them; the norm before clipping."""
+    pipeline = pipeline_of(model)
     grad_norm = None
     if max_grad_norm is not None and pipeline is not None:
         grad_norm = float(pipeline_clip_grad_norm_(model, pipeline, max_grad_norm))
@@ -96,9 +117,7 @@ def train_step(
         grad_norm = float(clip_grad_norm_(model.parameters(), max_grad_norm))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if loss_group is not None:  # every data-parallel rank's tokens (and every cp rank's part of them)
-        dist.all_reduce(loss_sum, group=loss_group)
-    return StepResult(loss=float(loss_sum), grad_norm=grad_norm, label_tokens=label_tokens)
+    return grad_norm
 
 
 def _forward_backward(
@@ -129,14 +148,27 @@ def _micro_batch_loss(
 ) -> torch.Tensor:
     """transformers' loss of one micro-batch over the step's global label count; for MoE models that
     add a load-balancing loss, that loss of the whole data-parallel micro-batch (this rank's share)."""
-    inputs = {k: batch.get(k) for k in ("attention_mask", "position_ids")}
     if not adds_router_loss(model):
         return model(
-            input_ids=batch["input_ids"], **inputs, labels=_labels_of(batch), num_items_in_batch=label_tokens
+            input_ids=batch["input_ids"],
+            **forward_inputs(batch),
+            labels=labels_of(batch),
+            num_items_in_batch=label_tokens,
         ).loss
-    outputs = model(input_ids=batch["input_ids"], **inputs, output_router_logits=True)  # no labels: assembled here
-    loss = causal_lm_loss(model, outputs.logits, label_tokens, labels=_labels_of(batch))
-    return loss + router_loss_share(model, outputs.router_logits, inputs["attention_mask"], loss_group)
+    logits, router_loss = logits_and_router_loss(model, batch, loss_group)  # no labels: assembled here
+    return causal_lm_loss(model, logits, label_tokens, labels=labels_of(batch)) + router_loss
+
+
+def logits_and_router_loss(
+    model: nn.Module, batch: Mapping[str, torch.Tensor], loss_group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of one micro-batch, and this rank's share of the data-parallel micro-batch's
+    load-balancing loss (zero for a model that adds none)."""
+    inputs = forward_inputs(batch)
+    if not adds_router_loss(model):
+        return model(input_ids=batch["input_ids"], **inputs).logits, torch.zeros(())
+    outputs = model(input_ids=batch["input_ids"], **inputs, output_router_logits=True)
+    return outputs.logits, router_loss_share(model, outputs.router_logits, inputs["attention_mask"], loss_group)
 
 
 def _check_router_loss_supported(model: nn.Module, setup: DistributedSetup | None) -> None:

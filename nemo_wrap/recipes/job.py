@@ -1,0 +1,121 @@
+"""From a recipe to what the library runs: the checkpoint path, the setup, the load options, the job.
+
+The recipe (:mod:`.config`) is what a user writes; :class:`nemo_wrap.recipes.sft.SFTConfig`,
+:class:`DistributedSetup` and :class:`LoadOptions` are what the library takes. Every command of the
+CLI goes through these functions, so a recipe means the same thing to ``finetune``, ``plan`` and
+``report``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from nemo_wrap.distributed import DistributedSetup
+from nemo_wrap.distributed.precision import Precision
+from nemo_wrap.recipes.config import Recipe
+from nemo_wrap.recipes.config_file import recipe_as_dict, recipe_to_yaml
+
+if TYPE_CHECKING:
+    from nemo_wrap.loading.options import LoadOptions
+    from nemo_wrap.recipes.sft import SFTConfig
+
+RECIPE_FILE = "config.yaml"  # the resolved recipe every fine-tuning run writes into its output directory
+
+
+def model_path(recipe: Recipe) -> Path:
+    """The recipe's checkpoint: a directory, a ``bundled:`` name, or (none) the embedded default."""
+    from nemo_wrap.default_model import default_model_path, resolve_bundled
+
+    return Path(resolve_bundled(recipe.model)) if recipe.model is not None else default_model_path()
+
+
+def _located(location: str | None) -> str | None:
+    """A data set or teacher location with ``bundled:`` names resolved."""
+    from nemo_wrap.default_model import resolve_bundled
+
+    return None if location is None else resolve_bundled(location)
+
+
+def write_recipe(recipe: Recipe, path: Path) -> None:
+    """``config.yaml``, written whole or not at all (a temporary file moved into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_name(f".{path.name}.tmp")
+    staged.write_text(recipe_to_yaml(recipe), encoding="utf-8")
+    os.replace(staged, path)
+
+
+def sft_config(recipe: Recipe) -> SFTConfig:
+    """The library's job settings from the recipe's sections."""
+    from nemo_wrap.recipes import SFTConfig
+    from nemo_wrap.training.distillation import DistillationSettings
+
+    data, training, optimizer, checkpoint, logging = (
+        recipe.data,
+        recipe.training,
+        recipe.optimizer,
+        recipe.checkpoint,
+        recipe.logging,
+    )
+    teacher = recipe.distillation
+    return SFTConfig(
+        data=_located(data.train), output_dir=recipe.output_dir, format=data.format,
+        columns=tuple(data.columns.items()), max_length=data.max_length, seq_len=data.seq_len, pack=data.pack,
+        last_turn_only=data.last_turn_only,
+        eval_data=_located(data.eval), eval_every=training.eval_every, steps=training.steps, epochs=training.epochs,
+        micro_batch_size=training.batch_size, accumulation=training.accumulation, seed=training.seed,
+        lr=optimizer.lr, warmup_steps=optimizer.warmup_steps, lr_schedule=optimizer.lr_schedule,
+        max_grad_norm=optimizer.max_grad_norm,
+        log_dir=logging.log_dir or str(Path(recipe.output_dir) / "logs"), report_to=logging.report_to,
+        mlflow_tracking_uri=logging.mlflow_tracking_uri, run_config=recipe_as_dict(recipe),
+        save_every=checkpoint.save_every, keep_last=checkpoint.keep_last, async_save=checkpoint.async_save,
+        resume=checkpoint.resume,
+        distillation=DistillationSettings(str(_located(teacher.teacher)), teacher.kd_ratio, teacher.temperature)
+        if teacher.teacher else None,
+        load=load_options(recipe, peft_config=_lora(recipe), compile=recipe.load.compile),
+    )  # fmt: skip
+
+
+def load_options(recipe: Recipe, **options: Any) -> LoadOptions:
+    """The load request of the recipe: precision and 4-bit quantization, plus what the command adds."""
+    from nemo_wrap.loading.options import LoadOptions
+
+    precision = cast(Precision | None, recipe.load.precision)  # one of PRECISIONS: checked by the recipe
+    return LoadOptions(precision=precision, quantization_config=_quantization(recipe), **options)
+
+
+def _quantization(recipe: Recipe) -> Any:
+    """``load.quantization`` as transformers' ``BitsAndBytesConfig``: double quant, and compute in
+    bf16 with precision bf16, else in fp32 (transformers' default)."""
+    if recipe.load.quantization is None:
+        return None
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=recipe.load.quantization,
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16 if recipe.load.precision == "bf16" else torch.float32,
+    )
+
+
+def _lora(recipe: Recipe) -> Any:
+    """The ``lora`` section as PEFT's ``LoraConfig``; ``None`` without a rank."""
+    lora = recipe.lora
+    if lora.r is None:
+        return None
+    from peft import LoraConfig
+
+    targets = lora.targets if lora.targets == "all-linear" else lora.targets.split(",")
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha or 2 * lora.r, target_modules=targets)
+
+
+def distributed_setup(recipe: Recipe, world_size: int) -> DistributedSetup:
+    """The setup the recipe's degrees describe, on ``world_size`` ranks."""
+    d = recipe.distributed
+    return DistributedSetup.build(
+        d.strategy, world_size, tp_size=d.tp_size, dp_replicate_size=d.dp_replicate_size, cp_size=d.cp_size,
+        pp_size=d.pp_size, ep_size=d.ep_size, pp_schedule=d.pp_schedule,
+    )  # fmt: skip
