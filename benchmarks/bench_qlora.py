@@ -133,11 +133,17 @@ def _load_4bit(case: str, path: Path):
 
 
 def _logit_difference(model, path: Path) -> float:
-    """The largest |difference| between ``model``'s logits and transformers' 4-bit model's."""
+    """The largest |difference| between ``model``'s logits and transformers' 4-bit model's, both in the
+    compute dtype (on a CPU with AVX512-BF16, bitsandbytes would otherwise repack its layers on the
+    first inference call and compute in bf16 whatever the compute dtype)."""
+    import bitsandbytes as bnb
     import torch
     from transformers import AutoModelForCausalLM
 
     peer = AutoModelForCausalLM.from_pretrained(path, quantization_config=_quantization(), dtype=torch.bfloat16)
+    for module in peer.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
     ids = torch.randint(0, peer.config.vocab_size, LOGIT_SHAPE, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours, theirs = model.eval()(input_ids=ids).logits, peer.eval()(input_ids=ids).logits

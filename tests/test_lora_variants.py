@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.errors import LoraTargetError, UnsupportedLoraOptionError, UnsupportedSaveOptionError
+from tests.bnb_reference import transformers_4bit
 from tests.checkpoints import write_checkpoint
 from tests.steps import train_steps, trainable
 
@@ -153,7 +154,7 @@ def test_dora_on_a_4bit_base_is_peft_over_transformers_4bit(tmp_path):
     _set_adapters(ours)
     _sgd_steps(ours)
     ours.save_pretrained(tmp_path / "adapter")
-    reference = AutoModelForCausalLM.from_pretrained(base, quantization_config=quantization, dtype=torch.float32)
+    reference = transformers_4bit(base, quantization, dtype=torch.float32)
     peft = PeftModel.from_pretrained(reference, tmp_path / "adapter")
     torch.testing.assert_close(ours(IDS).logits, peft(IDS).logits, atol=1e-5, rtol=0)
 

@@ -24,6 +24,7 @@ from nemo_wrap.errors import LoadVerificationError, MissingExtraError, MissingWe
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.models.lora import is_lora_parameter
 from nemo_wrap.models.quantized import QuantizedLinear
+from tests.bnb_reference import transformers_4bit
 from tests.checkpoints import write_checkpoint
 from tests.steps import train_steps, trainable
 
@@ -48,7 +49,7 @@ def _lora(dora: bool = False) -> LoraConfig:
 
 
 def _transformers_4bit(base, quantization: BitsAndBytesConfig):
-    return AutoModelForCausalLM.from_pretrained(base, quantization_config=quantization, dtype=torch.float32)
+    return transformers_4bit(base, quantization, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -90,7 +91,7 @@ def test_fp4_and_a_bf16_checkpoint_are_transformers_too(tmp_path):
     base = write_checkpoint(tmp_path / "bf16", "own-llama", "random", tie=False, dtype=torch.bfloat16)
     for quantization in (_nf4(quant_type="fp4"), _nf4(double_quant=False)):
         ours = NeMoAutoModelForCausalLM.from_pretrained(base, quantization_config=quantization, verify=True)
-        reference = AutoModelForCausalLM.from_pretrained(base, quantization_config=quantization)
+        reference = transformers_4bit(base, quantization)
         assert ours.model.embed_tokens.weight.dtype == torch.bfloat16  # the rest keeps the checkpoint's dtype
         torch.testing.assert_close(ours(IDS).logits, reference(IDS).logits, atol=0, rtol=0)
 
