@@ -7,6 +7,13 @@ fine-tuning job that finishes in about a minute on two CPU cores. Several ranks:
 itself through ``torch.distributed.run --standalone``. Errors of nemo_wrap exit with status 2 and
 one line naming the problem, not a traceback.
 
+Faults: ``--timeout SECONDS`` bounds how long a collective waits for a rank that stopped answering
+(the others then fail with status 2, naming the step); a SIGTERM makes every rank finish its step,
+write a resumable checkpoint and exit with status 75 (``PREEMPTED_EXIT_STATUS``, EX_TEMPFAIL: "try
+again"); ``--max-restarts N`` (with ``--nproc``) restarts every rank after one dies. With
+``--save-every N --resume auto`` a restarted or rerun job continues from the newest complete
+checkpoint: ``nemo-wrap finetune --nproc 2 --max-restarts 2 --save-every 10 --resume auto``.
+
 A job is a recipe (:mod:`nemo_wrap.recipes.config`): ``--config FILE.yaml``, then the flags given —
 every recipe key by its dotted name (``--distributed.tp_size 2``) and the older flags by theirs
 (``--tp-size 2``) — override the schema's defaults in that order. This module only turns argv into
@@ -17,14 +24,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nemo_wrap.distributed import destroy_distributed, initialize_distributed
-from nemo_wrap.errors import InvalidSetupError, NeMoWrapError, TokenizerNotFoundError
+from nemo_wrap.errors import InvalidSetupError, NeMoWrapError, PreemptedError, TokenizerNotFoundError
 from nemo_wrap.recipes.config import Recipe
 from nemo_wrap.recipes.config_file import (
     Setting,
@@ -34,6 +43,7 @@ from nemo_wrap.recipes.config_file import (
     recipe_to_yaml,
 )
 from nemo_wrap.recipes.job import RECIPE_FILE, distributed_setup, load_options, model_path, sft_config, write_recipe
+from nemo_wrap.recipes.preemption import PREEMPTED_EXIT_STATUS
 
 if TYPE_CHECKING:
     pass
@@ -129,24 +139,54 @@ def _without_nproc(argv: Sequence[str]) -> list[str]:
     return kept
 
 
-def _relaunch(argv: Sequence[str], nproc: int) -> int:
-    """Run this command again on ``nproc`` local ranks through torchrun and return its exit status.
+def _relaunch(argv: Sequence[str], recipe: Recipe) -> int:
+    """Run this command again on ``distributed.nproc`` local ranks through torchrun; return its exit status.
 
     Only the launcher's status comes back: a rank that fails prints its own error, and torchrun
-    then exits non-zero (with status 1, whatever the rank's was).
+    then exits non-zero (with status 1, whatever the rank's was), after restarting every rank up to
+    ``distributed.max_restarts`` times. A SIGTERM to this process (a scheduler stopping the job) is
+    passed to torchrun's agent, which passes it to every rank: they write a checkpoint and stop.
+    Torchrun then exits 1 with its own traceback, so this process says what was kept and returns
+    :data:`PREEMPTED_EXIT_STATUS`.
     """
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "-m",
-        "nemo_wrap.cli",
-        *_without_nproc(argv),
-    ]
-    return subprocess.run(command, check=False).returncode
+    launcher_options = ["--standalone", "--nproc-per-node", str(recipe.distributed.nproc)]
+    launcher_options += ["--max-restarts", str(recipe.distributed.max_restarts)]
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher_options, "-m", "nemo_wrap.cli"]
+    with subprocess.Popen([*command, *_without_nproc(argv)]) as launcher, _forwarding_sigterm(launcher) as signals:
+        status = launcher.wait()
+    if not signals or status == 0:
+        return status
+    print(_stopped_message(recipe, status), file=sys.stderr)
+    return PREEMPTED_EXIT_STATUS
+
+
+@contextmanager
+def _forwarding_sigterm(launcher: subprocess.Popen) -> Iterator[list[int]]:
+    """Inside the block, each SIGTERM this process receives is sent on to ``launcher`` and counted
+    in the list yielded; the previous handler is restored after."""
+    received: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        received.append(signum)
+        launcher.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _stopped_message(recipe: Recipe, status: int) -> str:
+    """What a job stopped by SIGTERM kept: the newest complete checkpoint, and how to continue."""
+    from nemo_wrap.checkpoint.rotation import newest_checkpoint
+
+    newest = newest_checkpoint(recipe.output_dir)
+    kept = "no resumable checkpoint was written" if newest is None else f"the newest complete checkpoint is {newest}"
+    return (
+        f"nemo-wrap: stopped by SIGTERM (passed on to every rank; torchrun exited with status {status}): {kept}; "
+        f"run the same command with --resume auto to continue"
+    )
 
 
 def _tokenizer(path: Path):
@@ -173,7 +213,7 @@ def _run_report(recipe: Recipe) -> int:
     from nemo_wrap.auto import NeMoAutoModelForCausalLM
 
     path = model_path(recipe)
-    env = initialize_distributed()
+    env = initialize_distributed(timeout_s=recipe.distributed.timeout_s)
     try:
         setup = distributed_setup(recipe, env.world_size)
         model = NeMoAutoModelForCausalLM.from_pretrained(
@@ -193,7 +233,7 @@ def _run_finetune(recipe: Recipe) -> int:
     from nemo_wrap.recipes import run_sft
 
     path = model_path(recipe)
-    env = initialize_distributed()
+    env = initialize_distributed(timeout_s=recipe.distributed.timeout_s)
     try:
         setup = distributed_setup(recipe, env.world_size)
         say = print if env.is_main_process else (lambda *_: None)
@@ -231,10 +271,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if launched is None and nproc > 1:
                 distributed_setup(recipe, nproc)  # fail before launching
                 model_path(recipe)  # build the default once, before the ranks start
-                return _relaunch(argv, nproc)
+                return _relaunch(argv, recipe)
             if launched is not None and launched != nproc:
                 raise InvalidSetupError(f"nproc {nproc} differs from torchrun's world size {launched}")
         return _RUNNERS[args.command](recipe)
+    except PreemptedError as stop:  # not a failure: the job can go on from its checkpoint
+        parser.exit(PREEMPTED_EXIT_STATUS, f"nemo-wrap: {stop}\n")
     except NeMoWrapError as error:
         parser.exit(2, f"nemo-wrap: error: {error}\n")
 

@@ -221,3 +221,30 @@ class RecipeError(NeMoWrapError, ValueError):
     """A recipe (a ``--config`` YAML file or a command-line override) names an unknown key, gives a
     value of the wrong type or a bad value; the message names the key and where it was set (the
     file and line, or the flag). Nothing has been loaded yet."""
+
+
+class CheckpointMismatchError(NeMoWrapError, ValueError):
+    """A resumable checkpoint does not fit the model and optimizer it is loaded into: another model
+    (keys missing, unexpected, or of other shapes), LoRA adapters on one side only, or an optimizer
+    entry the checkpoint lacks. Raised on every rank before anything is loaded; the message names
+    the directory, a few of the differing keys and how many differ."""
+
+
+class PeerTimeoutError(NeMoWrapError, RuntimeError):
+    """A collective failed because another rank did not answer within the process group's timeout
+    (hung, stopped, cut off) or left the job; the message names what was waiting (the step), this
+    rank and the timeout, with the backend's own message appended."""
+
+
+class PreemptedError(NeMoWrapError, RuntimeError):
+    """The run stopped on request (SIGTERM) after a step every rank agreed on, and wrote a resumable
+    checkpoint there; ``step`` and ``checkpoint`` say which. Not a failure: rerun with
+    ``--resume auto`` (the command line exits with status 75, EX_TEMPFAIL)."""
+
+    def __init__(self, message: str, step: int, checkpoint: str) -> None:
+        super().__init__(message, step, checkpoint)  # all in args: it pickles (a launched rank's error)
+        self.step = step
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        return str(self.args[0])

@@ -38,3 +38,12 @@ def one_thread():
 def shared_cache(tmp_path_factory):
     """One ``NEMO_WRAP_CACHE`` for the session's slow first-use builds (SmolLM2's conversion)."""
     return tmp_path_factory.mktemp("shared_nemo_wrap_cache")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """``NEMO_WRAP_CACHE`` for the whole module: the embedded default is built once, by its first user."""
+    root = tmp_path_factory.mktemp("nemo_wrap_cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NEMO_WRAP_CACHE", str(root))
+        yield root

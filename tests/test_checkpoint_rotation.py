@@ -8,13 +8,10 @@ model built from another seed.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +23,7 @@ from nemo_wrap.checkpoint import CheckpointRotation, load_checkpoint, newest_che
 from nemo_wrap.checkpoint import rotation as rotation_module
 from nemo_wrap.errors import CheckpointNotFoundError, CheckpointSaveError, InvalidSetupError
 from nemo_wrap.training import train_step
+from tests.checkpoint_state import kill_at_markers, local_state
 from tests.tiny_models import tiny_config
 
 SEED = 1234
@@ -50,22 +48,10 @@ def _train(model, optimizer, step: int) -> float:
     return train_step(model, optimizer, [batch], max_grad_norm=1.0).loss
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach().clone()
-
-
-def _state(model, optimizer) -> dict[str, torch.Tensor]:
-    """This rank's shards of the weights and of AdamW's moments and step counts."""
-    state = {f"model.{k}": _local(v) for k, v in model.state_dict().items()}
-    for index, moments in optimizer.state_dict()["state"].items():
-        state.update({f"optimizer.{index}.{k}": _local(v) for k, v in moments.items()})
-    return state
-
-
 def _loaded(directory: Path) -> tuple[int, dict[str, torch.Tensor]]:
     model, optimizer = _build(seed=SEED + 1)
     step = load_checkpoint(directory, model, optimizer)
-    return step, _state(model, optimizer)
+    return step, local_state(model, optimizer)
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -91,7 +77,7 @@ def case_keep_last_two(directory: str) -> dict:
     for step in range(1, 6):
         _train(model, optimizer, step)
         assert rotation.save(model, optimizer, step) == Path(directory) / f"checkpoint-{step}"
-        saved[step] = _state(model, optimizer)
+        saved[step] = local_state(model, optimizer)
     restored = {step: _loaded(Path(directory) / f"checkpoint-{step}") for step in (4, 5)}
     return {step: (loaded_step, _same(state, saved[step])) for step, (loaded_step, state) in restored.items()}
 
@@ -115,14 +101,14 @@ def case_background_save_matches_sync(directory: str) -> dict:
         _train(model, optimizer, step)
     sync.save(model, optimizer, 2)
     background.save(model, optimizer, 2)
-    saved = _state(model, optimizer)
+    saved = local_state(model, optimizer)
     expected = [_train(model, optimizer, step) for step in (3, 4)]  # while it writes: it saved a copy
     written = background.wait()
     background.close()
     sync_step, sync_state = _loaded(Path(directory) / "sync" / "checkpoint-2")
     model, optimizer = _build(seed=SEED + 1)
     async_step = load_checkpoint(written, model, optimizer)
-    async_same = _same(_state(model, optimizer), saved)
+    async_same = _same(local_state(model, optimizer), saved)
     losses = [_train(model, optimizer, step) for step in (3, 4)]
     return {"steps": (sync_step, async_step), "same": (_same(sync_state, saved), async_same),
             "expected": expected, "losses": losses}  # fmt: skip
@@ -133,7 +119,8 @@ def test_background_save_matches_sync_and_resumes_the_same_run(ranks2, tmp_path)
         assert result["steps"] == (2, 2) and result["same"] == (True, True), rank
         assert result["losses"] == result["expected"], rank
     sync, background = tmp_path / "sync" / "checkpoint-2", tmp_path / "async" / "checkpoint-2"
-    assert _listing(sync) == _listing(background) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    shards = [".metadata", "__0_0.distcp", "__1_0.distcp", "nemo_wrap_manifest.json"]
+    assert _listing(sync) == _listing(background) == shards
     for name in ("__0_0.distcp", "__1_0.distcp"):
         assert (sync / name).read_bytes() == (background / name).read_bytes(), name
     assert (tmp_path / "async" / "latest").read_text() == "checkpoint-2\n"
@@ -234,7 +221,7 @@ def test_pruning_never_touches_other_folders_and_files(tmp_path, one_thread):
     assert _listing(run / "checkpoint-1") == ["model.safetensors"]
     assert newest_checkpoint(run) == run / "checkpoint-6"
     step, state = _loaded(run / "checkpoint-6")
-    assert step == 6 and _same(state, _state(model, optimizer))
+    assert step == 6 and _same(state, local_state(model, optimizer))
 
 
 def test_newest_checkpoint_falls_back_to_the_highest_complete_step(tmp_path):
@@ -266,14 +253,14 @@ def test_a_background_save_writes_the_state_of_its_call_while_training_goes_on(t
     _train(model, optimizer, 1)
     rotation = CheckpointRotation(tmp_path, keep_last=None, asynchronous=True)
     rotation.save(model, optimizer, 1)
-    saved = _state(model, optimizer)
+    saved = local_state(model, optimizer)
     _train(model, optimizer, 2)  # the writer is still waiting: save() returned before writing
     assert not (tmp_path / "checkpoint-1").exists() and not (tmp_path / "latest").exists()
     trained.set()
     assert rotation.wait() == tmp_path / "checkpoint-1" and seen == [True]
     assert rotation.wait() is None
     step, state = _loaded(tmp_path / "checkpoint-1")
-    assert step == 1 and _same(state, saved) and not _same(state, _state(model, optimizer))
+    assert step == 1 and _same(state, saved) and not _same(state, local_state(model, optimizer))
     assert (tmp_path / "latest").read_text() == "checkpoint-1\n"
 
 
@@ -315,30 +302,13 @@ _KILLED_SAVE = textwrap.dedent(
 )
 
 
-def _kill_at_markers(children: list[tuple[subprocess.Popen, Path]]) -> None:
-    try:
-        for child, marker in children:
-            deadline = time.monotonic() + 90
-            while not marker.exists():
-                assert child.poll() is None, f"the saving child exited early with {child.returncode}"
-                assert time.monotonic() < deadline, "the saving child never reached the write"
-                time.sleep(0.1)
-            os.kill(child.pid, signal.SIGKILL)
-            assert child.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        for child, _ in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-
-
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint_newest(tmp_path, one_thread):
     children = []
     for asynchronous in (False, True):  # both at once: the interpreter start-up dominates
         target, marker = tmp_path / f"async-{asynchronous}", tmp_path / f"async-{asynchronous}.marker"
         code = _KILLED_SAVE.format(repo=str(REPO), marker=str(marker), target=str(target), asynchronous=asynchronous)
         children.append((subprocess.Popen([sys.executable, "-c", code]), marker))
-    _kill_at_markers(children)
+    kill_at_markers(children)
     expected = NeMoAutoModelForCausalLM.from_config(tiny_config("own-llama"), seed=99).state_dict()
     for asynchronous in (False, True):
         target = tmp_path / f"async-{asynchronous}"

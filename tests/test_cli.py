@@ -26,15 +26,6 @@ from nemo_wrap.default_model import default_model_path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """``NEMO_WRAP_CACHE`` for the whole module: the default is built once, by the first test."""
-    root = tmp_path_factory.mktemp("nemo_wrap_cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("NEMO_WRAP_CACHE", str(root))
-        yield root
-
-
 def _losses(out: str) -> tuple[float, float]:
     first, last = re.search(r"loss: first step ([0-9.]+), last step ([0-9.]+)", out).groups()
     return float(first), float(last)

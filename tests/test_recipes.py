@@ -21,14 +21,6 @@ REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((REPO / "recipes").glob("*.yaml"))
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    root = tmp_path_factory.mktemp("nemo_wrap_cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("NEMO_WRAP_CACHE", str(root))
-        yield root
-
-
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -29,6 +27,7 @@ from nemo_wrap.checkpoint import load_checkpoint, save_checkpoint
 from nemo_wrap.checkpoint import save as save_module
 from nemo_wrap.errors import CheckpointSaveError, InvalidShardSizeError
 from nemo_wrap.training import train_step
+from tests.checkpoint_state import kill_at_markers
 from tests.tiny_models import tiny_config
 
 SEED = 1234
@@ -215,21 +214,7 @@ def test_save_killed_mid_write_leaves_no_checkpoint_and_keeps_the_previous_one(t
         marker = tmp_path / f"{target.parent.name}.marker"
         code = _KILLED_SAVE.format(repo=str(REPO), marker=str(marker), target=str(target))
         children.append((subprocess.Popen([sys.executable, "-c", code]), marker))
-    try:
-        for child, marker in children:
-            deadline = time.monotonic() + 90
-            while not marker.exists():
-                assert child.poll() is None, f"the saving child exited early with {child.returncode}"
-                assert time.monotonic() < deadline, "the saving child never reached the write"
-                time.sleep(0.1)
-            os.kill(child.pid, signal.SIGKILL)
-            child.wait(timeout=30)
-            assert child.returncode == -signal.SIGKILL
-    finally:
-        for child, _ in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
+    kill_at_markers(children)
 
     assert _digest(previous_dir) == before  # the previous checkpoint, byte for byte
     with torch.no_grad():

@@ -2,7 +2,9 @@
 
 - :mod:`.locate`, :mod:`.safetensors_file`: locating, validating and reading checkpoint files.
 - :mod:`.save`: one consolidated transformers checkpoint from any strategy (``save_pretrained``).
-- :mod:`.resume`: :func:`save_checkpoint` / :func:`load_checkpoint`, sharded model + optimizer state.
+- :mod:`.resume`: :func:`save_checkpoint` / :func:`load_checkpoint`, sharded model + optimizer state,
+  resumable on another topology; :mod:`.manifest` and :mod:`.compatibility`: what a load checks
+  first (the files are the save's; the checkpoint fits the model and optimizer).
 - :mod:`.atomic`: directories swapped in whole, so a killed save never leaves half a checkpoint.
 - :mod:`.rotation`: :class:`CheckpointRotation` (``checkpoint-{step}`` folders, a ``latest`` pointer,
   ``keep_last`` pruning, background saves), :func:`newest_checkpoint`, :func:`resolve_resume`.

@@ -28,11 +28,13 @@ from fnmatch import fnmatch
 from functools import partial
 from pathlib import Path
 
+from nemo_wrap.checkpoint.manifest import MANIFEST, METADATA
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.errors import CheckpointSaveError
 
-# Files of a previous save that a new one supersedes (weights, their index, DCP's shards).
-_WEIGHT_FILES = ("model*.safetensors", "model.safetensors.index.json", "*.distcp", ".metadata")
+# Files of a previous save that a new one supersedes (weights, their index, DCP's shards, its index
+# and the manifest of them).
+_WEIGHT_FILES = ("model*.safetensors", "model.safetensors.index.json", "*.distcp", METADATA, MANIFEST)
 
 
 def stage_directory(target: Path) -> Path:
@@ -80,7 +82,7 @@ def _swap(staged: Path, target: Path) -> None:
         if previous is not None:
             os.rename(previous, target)
         raise
-    _fsync(target.parent)
+    fsync(target.parent)
     if previous is not None:
         shutil.rmtree(previous)
 
@@ -93,7 +95,7 @@ def _merge(staged: Path, target: Path) -> None:
             entry.unlink()
     for name in sorted(new_files):
         os.replace(staged / name, target / name)
-    _fsync(target)
+    fsync(target)
     staged.rmdir()
 
 
@@ -126,11 +128,12 @@ def discard(staged: Path) -> None:
 def _fsync_tree(directory: Path) -> None:
     for root, _, files in os.walk(directory):
         for name in files:
-            _fsync(Path(root) / name)
-        _fsync(Path(root))
+            fsync(Path(root) / name)
+        fsync(Path(root))
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush ``path`` (a file or a directory: a rename inside it) to the disk."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)

@@ -5,8 +5,15 @@ on; resuming a run needs the optimizer state as well, and gathering every shard 
 cost memory and time for nothing. So each rank writes and reads its own shards with
 ``torch.distributed.checkpoint``; ``get_state_dict``/``set_state_dict`` give the model and
 optimizer state in a form that is keyed by parameter name (not optimizer index) and works for
-DDP, FSDP2, tensor parallel and both. The checkpoint resumes under the same strategy and world
-size it was written with.
+DDP, FSDP2, tensor parallel and both. The files hold each tensor's global shape and which part of
+it each piece is, so a checkpoint resumes on another topology too — written by fsdp2 on 2 ranks, it
+loads under fsdp2 on 4, fsdp2 × tp, tp alone, HSDP or in one process, and DCP reads each rank's
+part of every tensor. What must stay the same is the model and the optimizer's kind and parameters.
+
+A load refuses, on every rank and before reading any tensor, what it cannot load whole: a
+directory whose files are not the ones its save wrote (:mod:`nemo_wrap.checkpoint.manifest`: a save
+ends with a manifest of its files), and a checkpoint of another model or optimizer state, or of a
+LoRA run into a model without adapters (:mod:`nemo_wrap.checkpoint.compatibility`).
 
 The directory is replaced atomically like a consolidated save (:mod:`nemo_wrap.checkpoint.atomic`):
 every rank writes into the staging directory rank 0 created, which needs a filesystem all ranks
@@ -36,15 +43,29 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from nemo_wrap.checkpoint.atomic import discard, replace_directory, save_failed, staged_save
+from nemo_wrap.checkpoint.compatibility import require_fit
+from nemo_wrap.checkpoint.manifest import METADATA, Layout, checkpoint_layout, write_manifest
 from nemo_wrap.distributed.collectives import RankGroup, is_multi_rank
-from nemo_wrap.errors import CheckpointNotFoundError, CheckpointSaveError, DistributedStateError
+from nemo_wrap.errors import (
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    CorruptCheckpointError,
+    DistributedStateError,
+    NeMoWrapError,
+)
 
-_METADATA_FILE = ".metadata"  # written by DCP's file writer once every rank's data is in
+_ERROR_CHARS = 2000  # DCP's exception lists every rank's traceback: enough of it to see the cause
 
 
 def holds_checkpoint(directory: Path) -> bool:
     """Whether ``directory`` holds a checkpoint :func:`save_checkpoint` finished writing."""
-    return (directory / _METADATA_FILE).is_file()
+    return (directory / METADATA).is_file()
+
+
+def _seal_and_move(staged: Path, target: Path) -> None:
+    """Rank 0, once every rank's files are in ``staged``: add the manifest, put it at ``target``."""
+    write_manifest(staged)
+    replace_directory(staged, target)
 
 
 def _training_state(
@@ -80,7 +101,7 @@ def save_checkpoint(
             dcp.save(state, checkpoint_id=staged)
         except CheckpointException as error:  # raised on every rank when any rank failed
             raise failure(f"writing the sharded state failed: {error}") from error
-        group.on_rank_zero("moving the checkpoint into place", lambda: replace_directory(staged, target), failure)
+        group.on_rank_zero("moving the checkpoint into place", partial(_seal_and_move, staged, target), failure)
 
 
 def checkpoint_process_group() -> dist.ProcessGroup | None:
@@ -125,7 +146,7 @@ class PendingSave:
             raise self._failure(f"writing the sharded state of step {self.step} failed: {error}") from error
 
     def _move(self) -> None:
-        replace_directory(self.staged, self.target)
+        _seal_and_move(self.staged, self.target)
 
     def _discard(self) -> None:
         if self.group.is_writer:
@@ -171,21 +192,41 @@ def load_checkpoint(
     """Restore ``model`` and ``optimizer`` (and ``data``'s position) from ``directory`` in place;
     return the saved step.
 
-    Every rank calls it, with the model sharded as it was when saved. Raises
-    :class:`CheckpointNotFoundError` when ``directory`` holds no checkpoint written by
-    :func:`save_checkpoint`.
+    Every rank calls it, with the model sharded in any way (the checkpoint is resharded onto it) and
+    an optimizer of the same kind over the same parameters. Refuses on every rank, before anything
+    is loaded: :class:`CheckpointNotFoundError` when ``directory`` holds no checkpoint written by
+    :func:`save_checkpoint`; :class:`CorruptCheckpointError` naming the file when a file is
+    missing, cut short, or not from this save (a read that fails later raises it too);
+    :class:`CheckpointMismatchError` when the checkpoint is of another model or optimizer state.
     """
-    path = Path(directory)
-    if not holds_checkpoint(path):
-        raise CheckpointNotFoundError(f"{path}: no resumable checkpoint ({_METADATA_FILE} missing)")
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {
-        "model": model_state,
-        "optimizer": optimizer_state,
-        "step": torch.tensor(0, dtype=torch.int64),
-    }
-    if data is not None:
-        state["data"] = data
-    dcp.load(state, checkpoint_id=path)
+    path = Path(directory).absolute()
+    group = RankGroup.job()  # DCP is collective over the job
+    saved = _inspected(path, group)
+    state = _training_state(model, optimizer, 0, data)  # filled in place by the load
+    require_fit(path, saved, state, group)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as error:  # raised on every rank when any rank's read failed
+        raise CorruptCheckpointError(f"{path}: reading the checkpoint failed: {str(error)[:_ERROR_CHARS]}") from error
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return int(state["step"])
+
+
+def _inspected(path: Path, group: RankGroup) -> Layout:
+    """The checkpoint's index, once rank 0 found its files sound; every rank gets the same answer,
+    or raises the same error."""
+
+    def inspect() -> Layout | NeMoWrapError:
+        try:
+            return checkpoint_layout(path)
+        except (CheckpointNotFoundError, CorruptCheckpointError) as error:
+            return error  # handed to every rank, which raises it
+
+    verdict = group.on_rank_zero("checking the checkpoint's files", inspect, partial(_unreadable, path))
+    if isinstance(verdict, NeMoWrapError):
+        raise verdict
+    return verdict
+
+
+def _unreadable(path: Path, description: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: {description}")

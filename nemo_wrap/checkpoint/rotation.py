@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from nemo_wrap.checkpoint.atomic import save_failed
+from nemo_wrap.checkpoint.atomic import fsync, save_failed
 from nemo_wrap.checkpoint.resume import (
     PendingSave,
     checkpoint_process_group,
@@ -134,14 +134,6 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
     return None if found is None else Path(found)
 
 
-def _fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _point_latest(output_dir: Path, name: str) -> None:
     """Replace ``latest`` by a file naming ``name``: written aside, made durable, swapped in."""
     temporary = output_dir / f".{LATEST}.tmp-{secrets.token_hex(6)}"
@@ -154,7 +146,7 @@ def _point_latest(output_dir: Path, name: str) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    _fsync_directory(output_dir)
+    fsync(output_dir)
 
 
 def _delete(checkpoint: Path) -> None:

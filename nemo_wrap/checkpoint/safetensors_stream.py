@@ -9,6 +9,7 @@ are known before any gather, so the header is written first and each tensor's by
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import struct
@@ -58,5 +59,9 @@ class SafetensorsStream:
             raise CheckpointSaveError(f"{self._path}: {len(self._pending)} announced tensor(s) were never written")
 
     def abandon(self) -> None:
-        """Close the file after a failure (the staged directory is discarded)."""
-        self._file.close()
+        """Close the file after a failure (the staged directory is discarded). Closing flushes what
+        is still buffered, which fails again on a full disk: that second error is dropped, since the
+        first is the one reported, and raising here would take the writer out of the gathers the
+        other ranks are waiting in."""
+        with contextlib.suppress(OSError):
+            self._file.close()

@@ -1,29 +1,45 @@
 """Process-group bootstrap that behaves the same under torchrun and in a notebook kernel.
 
 Under torchrun the launcher exports ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` and we
-join the default group through ``env://``. With no launcher (plain ``python``, a Jupyter kernel)
+join the default group through ``env://`` — on one node with a store of each attempt instead, so
+a job restarted by ``--max-restarts`` does not meet its previous attempt (:func:`_attempt_store`).
+With no launcher (plain ``python``, a Jupyter kernel)
 we make a world of one on a TCP store bound to port 0, so the OS picks a free port atomically and
 two notebooks on one machine never collide. Re-running the cell that calls
 :func:`initialize_distributed` must be harmless, so an initialized group is never re-initialized:
 the existing one is described and returned.
+
+``timeout_s`` bounds every collective: a rank that stops answering (hung, stopped, cut off) makes
+the others' next collective fail after that long instead of waiting forever. gloo (torch 2.13)
+reports it as a plain ``RuntimeError`` — the class it also uses for a peer whose connection closed
+(raised at once) and for any other failure — so the class alone cannot say "timeout", and messages
+are not matched. :func:`peers_must_answer` uses what defines a timeout instead: the failing block
+waited at least the timeout. Such an error becomes :class:`PeerTimeoutError`, naming what was
+waiting, this rank and the timeout, with the backend's message appended; any other error passes
+through unchanged.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from nemo_wrap.errors import DistributedStateError
+from nemo_wrap.errors import DistributedStateError, NeMoWrapError, PeerTimeoutError
 
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _SUPPORTED_BACKENDS = ("gloo", "nccl")
 
 # The store of a single-process world must outlive the call that created it.
 _single_process_store: dist.TCPStore | None = None
+# The collective timeout of the group initialize_distributed created (None: none, or made elsewhere).
+_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -81,21 +97,78 @@ def initialize_distributed(backend: str | None = None, timeout_s: float = 1800.0
 
     backend = backend or _default_backend()
     timeout = timedelta(seconds=timeout_s)
-    if _launched_by_torchrun():
+    global _single_process_store, _timeout_s
+    attempt_store = _attempt_store(timeout) if _launched_by_torchrun() else None
+    if attempt_store is not None:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=attempt_store, rank=rank, world_size=world_size, timeout=timeout)
+    elif _launched_by_torchrun():
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     else:
-        global _single_process_store
         _single_process_store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
         dist.init_process_group(backend, store=_single_process_store, rank=0, world_size=1, timeout=timeout)
+    _timeout_s = timeout_s
     env = _describe_current_group()
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     return env
 
 
+def _attempt_store(timeout: timedelta) -> dist.Store | None:
+    """The store of this attempt of a single-node torchrun job whose agent shares its store with the
+    ranks; ``None`` (use ``env://``) otherwise.
+
+    torchrun 2.13 (c10d rendezvous) keeps one store for every attempt of a job (``--max-restarts``)
+    and its ranks join it with no per-attempt prefix, so a restarted rank can read the previous
+    attempt's keys — gloo's peer addresses — and connect to a dead rank ("Connection refused"; the
+    race of pytorch issue 135712, fixed then by a new store per attempt, which 2.13's rendezvous no
+    longer makes: it reuses the first). On one node every rank restarts together and
+    ``TORCHELASTIC_RESTART_COUNT`` is the same on all of them, so it scopes the keys. Across nodes
+    it is not (an agent that restarts for another node's failure does not count it), so there
+    torch's ``env://`` is kept.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or env.get("GROUP_WORLD_SIZE") != "1":
+        return None
+    agent_store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"nemo_wrap/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
+
+
 def destroy_distributed() -> None:
     """Tear down the default process group (no-op when there is none), so a kernel can start over."""
-    global _single_process_store
+    global _single_process_store, _timeout_s
     if dist.is_initialized():
         dist.destroy_process_group()
     _single_process_store = None
+    _timeout_s = None
+
+
+@contextmanager
+def peers_must_answer(what: str) -> Iterator[None]:
+    """Inside the block, a backend error raised after the block waited at least the collective
+    timeout (another rank did not answer) becomes :class:`PeerTimeoutError` naming ``what`` (e.g.
+    ``"training step 7"``), this rank and the timeout, the backend's message appended.
+
+    Keep the block to one phase that normally takes far less than the timeout (a step, a save): an
+    unrelated error of a block that ran longer would be reported as a timeout (its message kept).
+    Without a timeout set by :func:`initialize_distributed` nothing is changed.
+    """
+    started = time.monotonic()
+    try:
+        yield
+    except RuntimeError as error:  # gloo's class for a timeout (torch.distributed.DistBackendError derives from it)
+        waited = time.monotonic() - started
+        if _timeout_s is None or isinstance(error, NeMoWrapError) or waited < _timeout_s:
+            raise
+        raise PeerTimeoutError(_peer_timeout_message(what, waited, error)) from error
+
+
+def _peer_timeout_message(what: str, waited: float, error: Exception) -> str:
+    where = f"rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else "this process"
+    return (
+        f"{where}: {what}: no answer from another rank within the timeout of {_timeout_s:g} s (--timeout; "
+        f"waited {waited:.1f} s): that rank is hung, stopped or cut off, and the job stops. "
+        f"{type(error).__name__}: {error}"
+    )

@@ -6,6 +6,12 @@ rotating checkpoints, metrics) → save. A ``.txt`` file (or no data: the bundle
 into token windows; anything else is a data set of rows. Either way the rows go through the same
 :class:`DataParallelBatches`, so resuming, evaluation and checkpoints work alike for both. Every
 rank runs it; only the rank that speaks for the job prints, shows the progress bar and logs.
+
+Faults end a run in a known state. A SIGTERM (a scheduler taking the machines back) stops every
+rank after the same step with a resumable checkpoint (:mod:`.preemption`); a rank that stops
+answering makes the others raise :class:`PeerTimeoutError` after the process group's timeout, naming
+the step; a rank that dies leaves the checkpoints written so far, which ``resume="auto"`` (after a
+restart by torchrun's ``--max-restarts``) continues from, data position included.
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ from nemo_wrap.checkpoint.rotation import CheckpointRotation, resolve_resume
 from nemo_wrap.data import DataParallelBatches, as_rows, load_rows, prepare_examples
 from nemo_wrap.default_model import bundled_corpus
 from nemo_wrap.distributed.collectives import RankGroup
+from nemo_wrap.distributed.env import peers_must_answer
 from nemo_wrap.distributed.setup import DistributedSetup
-from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.errors import InvalidSetupError, PreemptedError
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.provenance import LoadReport
 from nemo_wrap.progress import progress_bar
 from nemo_wrap.recipes.metrics import MetricsLog
+from nemo_wrap.recipes.preemption import StopRequest, stop_requests
 from nemo_wrap.recipes.schedule import learning_rate
 from nemo_wrap.training import StepResult, evaluate, read_token_windows, train_step, window_rows
 from nemo_wrap.training.distillation import (
@@ -97,7 +105,12 @@ class _Job:
 def run_sft(
     model_path: str | Path, setup: DistributedSetup, config: SFTConfig, tokenizer: Any, say: Callable[[str], None]
 ) -> list[dict[str, float]]:
-    """Run the job; return the metrics it logged (the same on every rank)."""
+    """Run the job; return the metrics it logged (the same on every rank).
+
+    Raises :class:`PreemptedError` when a SIGTERM stopped it (a resumable checkpoint is then in
+    place), and :class:`PeerTimeoutError` when another rank stopped answering during a step, its
+    evaluation or its checkpoint.
+    """
     if config.lr_schedule not in ("constant", "cosine"):
         raise InvalidSetupError(f"lr_schedule must be 'constant' or 'cosine', got {config.lr_schedule!r}")
     train_rows = _training_rows(config, tokenizer, say)
@@ -115,7 +128,10 @@ def run_sft(
     if resume:
         say(f"resumed from {resume} at step {start}")
     try:
-        _train(job, range(start, total), config, setup)
+        with stop_requests() as stop:  # a SIGTERM: every rank finishes the step, checkpoints and stops
+            stopped = _train(job, range(start, total), config, setup, stop)
+            if stopped is not None:
+                raise _stop_with_checkpoint(job, stopped, total)
         if job.evaluation is not None:
             job.log.log(total, eval_loss=job.evaluation())
         job.checkpoints.close()  # collective: a background save is in place before the model is saved
@@ -221,25 +237,50 @@ def _pipeline_micro_batches(micro_batches: list[Batch], stages: int) -> list[Bat
     return [{key: value[i * size : (i + 1) * size] for key, value in micro_batches[0].items()} for i in range(stages)]
 
 
-def _train(job: _Job, steps: range, config: SFTConfig, setup: DistributedSetup) -> None:
+def _train(job: _Job, steps: range, config: SFTConfig, setup: DistributedSetup, stop: StopRequest) -> int | None:
+    """Run ``steps``; return the step after which every rank agreed to stop (a SIGTERM), else ``None``.
+
+    Each collective phase is named, so a rank that stops answering is reported with the step."""
     total, iterator = steps.stop, iter(job.batches)
     with progress_bar(len(steps), "finetune", RankGroup.job().is_writer, unit="step") as bar:
         for step in steps:
+            done = step + 1
             rate = learning_rate(step, config.lr, config.warmup_steps, total, config.lr_schedule)
             for group in job.optimizer.param_groups:
                 group["lr"] = rate
             started = time.perf_counter()
-            result = job.step(_pipeline_micro_batches(next(iterator), setup.degrees.pp))
+            with peers_must_answer(f"training step {done}"):
+                result = job.step(_pipeline_micro_batches(next(iterator), setup.degrees.pp))
             tokens_per_s = result.label_tokens / (time.perf_counter() - started)
-            job.log.log(step + 1, **_step_metrics(result, rate, tokens_per_s))
+            job.log.log(done, **_step_metrics(result, rate, tokens_per_s))
             bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{rate:.2e}", tok_s=f"{tokens_per_s:,.0f}")
-            if job.evaluation is not None and config.eval_every and (step + 1) % config.eval_every == 0:
-                eval_loss = job.evaluation()
-                job.log.log(step + 1, eval_loss=eval_loss)
+            if job.evaluation is not None and config.eval_every and done % config.eval_every == 0:
+                with peers_must_answer(f"the evaluation after step {done}"):
+                    eval_loss = job.evaluation()
+                job.log.log(done, eval_loss=eval_loss)
                 bar.set_postfix(loss=f"{result.loss:.4f}", eval=f"{eval_loss:.4f}")
-            if config.save_every and (step + 1) % config.save_every == 0:
-                job.checkpoints.save(job.model, job.optimizer, step + 1, data=job.batches)
+            with peers_must_answer(f"the stop-request all-reduce after step {done}"):
+                if stop.agreed():
+                    return done  # before the periodic save: the stop writes this step's checkpoint
+            if config.save_every and done % config.save_every == 0:
+                with peers_must_answer(f"the checkpoint of step {done}"):
+                    job.checkpoints.save(job.model, job.optimizer, done, data=job.batches)
             bar.update(1)
+    return None
+
+
+def _stop_with_checkpoint(job: _Job, step: int, total: int) -> PreemptedError:
+    """Write the checkpoint of a run stopped on request after ``step`` (on every rank, together) and
+    wait until it is in place, a background save included; return the error that reports it."""
+    with peers_must_answer(f"the checkpoint of step {step}, written to stop"):
+        target = job.checkpoints.save(job.model, job.optimizer, step, data=job.batches)
+        job.checkpoints.close()
+    return PreemptedError(
+        f"stopped by SIGTERM after step {step} of {total}, every rank at the same step; resumable checkpoint "
+        f"{target}: run the same command with --resume auto to continue",
+        step,
+        str(target),
+    )
 
 
 def _step_metrics(result: StepResult, rate: float, tokens_per_s: float) -> dict[str, float]:
