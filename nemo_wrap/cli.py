@@ -30,7 +30,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nemo_wrap.distributed import destroy_distributed, initialize_distributed
 from nemo_wrap.errors import InvalidSetupError, NeMoWrapError, PreemptedError, TokenizerNotFoundError
@@ -44,9 +44,6 @@ from nemo_wrap.recipes.config_file import (
 )
 from nemo_wrap.recipes.job import RECIPE_FILE, distributed_setup, load_options, model_path, sft_config, write_recipe
 from nemo_wrap.recipes.preemption import PREEMPTED_EXIT_STATUS
-
-if TYPE_CHECKING:
-    pass
 
 _COMMANDS = ("finetune", "plan", "report")
 # The recipe sections whose flags each command takes (any command reads a whole recipe file).

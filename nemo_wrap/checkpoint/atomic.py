@@ -125,6 +125,22 @@ def discard(staged: Path) -> None:
     shutil.rmtree(staged, ignore_errors=True)
 
 
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace the small file ``path`` by ``text``: written aside, made durable, swapped in, so a
+    reader sees the old file or the new one, never half of one."""
+    temporary = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
+    try:
+        with open(temporary, "x", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    fsync(path.parent)
+
+
 def _fsync_tree(directory: Path) -> None:
     for root, _, files in os.walk(directory):
         for name in files:

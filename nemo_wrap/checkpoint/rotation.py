@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from nemo_wrap.checkpoint.atomic import fsync, save_failed
+from nemo_wrap.checkpoint.atomic import save_failed, write_text_atomically
 from nemo_wrap.checkpoint.resume import (
     PendingSave,
     checkpoint_process_group,
@@ -134,21 +134,6 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
     return None if found is None else Path(found)
 
 
-def _point_latest(output_dir: Path, name: str) -> None:
-    """Replace ``latest`` by a file naming ``name``: written aside, made durable, swapped in."""
-    temporary = output_dir / f".{LATEST}.tmp-{secrets.token_hex(6)}"
-    try:
-        with open(temporary, "x", encoding="utf-8") as file:
-            file.write(name + "\n")
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, output_dir / LATEST)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    fsync(output_dir)
-
-
 def _delete(checkpoint: Path) -> None:
     """Remove a checkpoint, renamed aside first so a crash mid-way leaves no half of it under its name."""
     aside = checkpoint.parent / f".{checkpoint.name}.old-{secrets.token_hex(6)}"
@@ -159,7 +144,7 @@ def _delete(checkpoint: Path) -> None:
 def _point_and_prune(target: Path, keep_last: int | None) -> None:
     """Point ``latest`` at the just-written ``target``, then delete the complete ``checkpoint-N``
     folders beyond the newest ``keep_last`` (``target`` counting as the newest, and kept)."""
-    _point_latest(target.parent, target.name)
+    write_text_atomically(target.parent / LATEST, target.name + "\n")
     if keep_last is None:
         return
     older = [path for _, path in _numbered(target.parent) if path.name != target.name and not path.is_symlink()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from collections.abc import Iterable, Iterator, Mapping
@@ -59,9 +60,10 @@ def _leaves(cls: type, prefix: str = "") -> Iterator[FieldSpec]:
         yield FieldSpec(f"{prefix}{item.name}", annotation, default, meta["help"], meta["flag"], meta["check"])
 
 
-def recipe_fields() -> dict[str, FieldSpec]:
-    """Every settable key of a recipe, in schema order."""
-    return {spec.key: spec for spec in _leaves(Recipe)}
+@functools.cache
+def recipe_fields() -> Mapping[str, FieldSpec]:
+    """Every settable key of a recipe, in schema order (the schema is fixed: computed once)."""
+    return types.MappingProxyType({spec.key: spec for spec in _leaves(Recipe)})
 
 
 def read_recipe_file(path: str | Path) -> list[Setting]:

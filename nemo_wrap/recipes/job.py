@@ -8,10 +8,10 @@ CLI goes through these functions, so a recipe means the same thing to ``finetune
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from nemo_wrap.checkpoint.atomic import write_text_atomically
 from nemo_wrap.distributed import DistributedSetup
 from nemo_wrap.distributed.precision import Precision
 from nemo_wrap.recipes.config import Recipe
@@ -39,11 +39,9 @@ def _located(location: str | None) -> str | None:
 
 
 def write_recipe(recipe: Recipe, path: Path) -> None:
-    """``config.yaml``, written whole or not at all (a temporary file moved into place)."""
+    """``config.yaml``, written whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    staged = path.with_name(f".{path.name}.tmp")
-    staged.write_text(recipe_to_yaml(recipe), encoding="utf-8")
-    os.replace(staged, path)
+    write_text_atomically(path, recipe_to_yaml(recipe))
 
 
 def sft_config(recipe: Recipe) -> SFTConfig:
