@@ -6,7 +6,8 @@ re-runs some (names below) and keeps the others' latest tables; ``--readme`` als
 ``RESULTS.md`` into the README's "Measured performance" section, between its
 ``benchmarks:start`` / ``benchmarks:end`` marks.
 Each benchmark runs its measurements in fresh processes; the whole suite takes about 35 minutes
-on a 2-core machine (the three QLoRA tables about 14 of them).
+on a 2-core machine (the three QLoRA tables about 14 of them), plus about 12 for ``peer``, 3 for
+``verify`` and 5 for ``default_precision``.
 """
 
 from __future__ import annotations
@@ -26,32 +27,38 @@ from benchmarks import (
     bench_async_save,
     bench_compile,
     bench_context_parallel,
+    bench_default_precision,
     bench_expert_parallel,
     bench_from_config,
     bench_from_pretrained,
     bench_lora_step,
     bench_model_throughput,
+    bench_peer,
     bench_pipeline,
     bench_precision,
     bench_qlora,
     bench_training_step,
+    bench_verify,
 )
 from benchmarks.common import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE: dict[str, Callable[[], Table]] = {
     "load": bench_from_pretrained.table,
+    "verify": bench_verify.table,
     "from_config": bench_from_config.table,
     "training_step": bench_training_step.table,
     "model_throughput": bench_model_throughput.table,
     "activation_checkpointing": bench_activation_checkpointing.table,
     "precision": bench_precision.table,
+    "default_precision": bench_default_precision.table,
     "compile": bench_compile.table,
     "lora_step": bench_lora_step.table,
     "pipeline": bench_pipeline.table,
     "context_parallel": bench_context_parallel.table,
     "expert_parallel": bench_expert_parallel.table,
     "moe_save": bench_expert_parallel.save_table,
+    "peer": bench_peer.table,
     "qlora_load": bench_qlora.table,
     "qlora_step": bench_qlora.step_table,
     "qlora_sft": bench_qlora.sft_table,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from benchmarks.common import Table, best_of, measure_main
+from benchmarks.common import Table, best_of, matmul_rate, measure_main
 
 BATCH, SEQUENCE, WARMUP, STEPS = 2, 256, 1, 4
 MODULE = "benchmarks.bench_training_step"
@@ -81,6 +81,7 @@ def measure(kind: str) -> dict[str, Any]:
 
     for tokens in batches[:WARMUP]:
         step(tokens)
+    peak = matmul_rate()
     dist.barrier()
     started = time.perf_counter()
     for tokens in batches[WARMUP:]:
@@ -88,7 +89,10 @@ def measure(kind: str) -> dict[str, Any]:
     dist.barrier()
     seconds = time.perf_counter() - started
     distinct_batches = 1 if kind == "tp" else env.world_size
-    return {"seconds": seconds, "tokens_per_second": STEPS * BATCH * SEQUENCE * distinct_batches / seconds}
+    tokens_per_second = STEPS * BATCH * SEQUENCE * distinct_batches / seconds
+    parameters = sum(p.numel() for p in model.parameters())  # DTensors count their global size
+    flops = 6 * parameters * tokens_per_second / env.world_size  # this rank's share
+    return {"seconds": seconds, "tokens_per_second": tokens_per_second, "mfu": flops / peak}
 
 
 def table(repeats: int = 3) -> Table:
@@ -96,11 +100,14 @@ def table(repeats: int = 3) -> Table:
     rate = {kind: rows[0]["tokens_per_second"] for kind, rows in best.items()}
     result = Table(
         "training step, 100M Llama fp32, 2 ranks × 1 thread, 2 × 256 tokens per rank, AdamW",
-        ["tokens/s", "vs plain baseline"],
-        note=f"Best of {repeats} runs of {STEPS} steps after {WARMUP} warm-up; tp=2 counts one batch per step.",
+        ["tokens/s", "vs plain baseline", "MFU"],
+        note=f"Best of {repeats} runs of {STEPS} steps after {WARMUP} warm-up; tp=2 counts one batch per step. "
+        "MFU: 6 · parameters · tokens/s ÷ the fp32 `torch.mm` rate of the 2 ranks measured side by side in the "
+        "same job (`common.matmul_rate`).",
     )
     for kind, label in LABELS.items():
-        result.rows.append([label, f"{rate[kind]:.0f}", f"{rate[kind] / rate[BASELINE[kind]]:.2f}"])
+        mfu = sum(row["mfu"] for row in best[kind]) / len(best[kind])
+        result.rows.append([label, f"{rate[kind]:.0f}", f"{rate[kind] / rate[BASELINE[kind]]:.2f}", f"{mfu:.0%}"])
     return result
 
 

@@ -186,6 +186,16 @@ def _stopped_message(recipe: Recipe, status: int) -> str:
     )
 
 
+def _final_summary(records: list[dict[str, float]]) -> str:
+    """The run's last line: first and last training loss, and the last evaluation's loss and step."""
+    losses = [record["loss"] for record in records if "loss" in record]
+    evaluations = [record for record in records if "eval_loss" in record]
+    parts = [f"loss: first step {losses[0]:.4f}, last step {losses[-1]:.4f} ({len(losses)} steps)"] if losses else []
+    if evaluations:
+        parts.append(f"eval loss {evaluations[-1]['eval_loss']:.4f} after step {evaluations[-1]['step']:g}")
+    return "; ".join(parts) or "no training step was left to run"
+
+
 def _tokenizer(path: Path):
     from transformers import AutoTokenizer
 
@@ -240,9 +250,7 @@ def _run_finetune(recipe: Recipe) -> int:
         if env.is_main_process:
             write_recipe(recipe, Path(recipe.output_dir) / RECIPE_FILE)
         records = run_sft(path, setup, config, tokenizer, say)
-        losses = [r["loss"] for r in records if "loss" in r]
-        if losses:
-            say(f"loss: first step {losses[0]:.4f}, last step {losses[-1]:.4f} ({len(losses)} steps)")
+        say(_final_summary(records))
     finally:
         destroy_distributed()
     return 0

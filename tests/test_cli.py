@@ -232,7 +232,8 @@ def test_lora_chat_sft_with_packing_evaluation_metrics_and_resume(cache, tmp_pat
     records = _records(tmp_path / "log")
     losses = [r["loss"] for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
-    assert len(losses) == 4 and [r["step"] for r in evals] == [2, 4, 4] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert len(losses) == 4 and [r["step"] for r in evals] == [2, 4] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert f"eval loss {evals[-1]['eval_loss']:.4f} after step 4" in out  # the closing summary names it, once
     assert [r["lr"] for r in records if "lr" in r][:2] == [1e-2, 1e-2]  # warm-up of one step, then the peak
     assert list((tmp_path / "log").glob("events.out.tfevents.*"))
     assert (tmp_path / "out" / "adapter_config.json").is_file() and (tmp_path / "out" / "checkpoint-2").is_dir()

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
+from nemo_wrap.distributed.hardware import fast_matmul_dtypes
 from nemo_wrap.auto.pipeline import build_on_meta as _build_on_meta
 from nemo_wrap.auto.pipeline import materialize as _materialize
 from nemo_wrap.models.registry import resolve_model_source
@@ -96,8 +97,12 @@ def test_fresh_model_is_initialized_not_leftover_memory():
 
 def test_dtype_default_is_config_dtype_and_can_be_overridden():
     config = tiny_config("llama", dtype=torch.bfloat16)
-    model = NeMoAutoModelForCausalLM.from_config(config, seed=SEED)
+    model = NeMoAutoModelForCausalLM.from_config(config, seed=SEED, dtype="auto")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # with no dtype at all, bf16 is kept only where this CPU multiplies it fast (else fp32)
+    default = NeMoAutoModelForCausalLM.from_config(config, seed=SEED)
+    fast = torch.bfloat16 in fast_matmul_dtypes("cpu")
+    assert {p.dtype for p in default.parameters()} == {torch.bfloat16 if fast else torch.float32}
     model = NeMoAutoModelForCausalLM.from_config(tiny_config("llama"), seed=SEED, dtype="bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 

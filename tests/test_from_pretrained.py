@@ -158,6 +158,62 @@ def case_verify(path, strategy, tp_size, corrupt_rank):
     return verified, None
 
 
+def case_loader_misplaces_values(path, strategy, tp_size, sabotaged_rank):
+    """The loader itself goes wrong on one rank (two values of one tensor land in each other's place,
+    one bit of another flips) while ``verify`` takes its checkpoint side during that same read:
+    every rank must still raise, naming both tensors. Returns (error, checksums taken while reading)."""
+    import torch.distributed as dist
+
+    from nemo_wrap.auto import pipeline
+    from nemo_wrap.errors import LoadVerificationError
+    from nemo_wrap.loading import read
+
+    def sabotaged(name, tensor, reading):
+        found = original(name, tensor, reading)
+        local = local_shard(tensor).detach().view(-1)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == sabotaged_rank and local.numel() > 1:
+            if name == "model.layers.0.mlp.down_proj.weight":
+                local[[0, 1]] = local[[1, 0]].clone()
+            elif name == "model.layers.1.self_attn.o_proj.weight":
+                local.view(torch.int32)[3] ^= 1
+        return found
+
+    taken = []
+    original, read._read_one = read._read_one, sabotaged
+    original_verify = pipeline.verify_load
+
+    def spy(*args):
+        taken.append(len(args[-1]))
+        return original_verify(*args)
+
+    pipeline.verify_load = spy
+    setup = None if strategy is None else DistributedSetup.build(strategy, 2, tp_size=tp_size)
+    try:
+        NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup, force_hf=True, verify=True)
+    except LoadVerificationError as error:
+        return str(error), taken
+    finally:
+        read._read_one, pipeline.verify_load = original, original_verify
+    return None, taken
+
+
+def test_verify_taken_while_reading_catches_a_loader_that_misplaces_values(checkpoints):
+    error, taken = case_loader_misplaces_values(checkpoints[("distinct", False)], None, 1, 0)
+    assert error is not None and "2 tensor(s) differ" in error
+    assert "model.layers.1.self_attn.o_proj.weight" in error and "model.layers.0.mlp.down_proj.weight" in error
+    assert taken and taken[0] > 10  # one process: every tensor's checkpoint side was taken during the read
+
+
+@pytest.mark.parametrize(("strategy", "tp_size"), STRATEGIES, ids=STRATEGY_IDS)
+def test_verify_while_reading_on_2_ranks_catches_one_rank_s_loader(ranks2, checkpoints, strategy, tp_size):
+    results = ranks2.run(case_loader_misplaces_values, checkpoints[("distinct", False)], strategy, tp_size, 1)
+    for error, taken in results:
+        assert error is not None and "2 tensor(s) differ" in error
+        assert "model.layers.1.self_attn.o_proj.weight" in error and "model.layers.0.mlp.down_proj.weight" in error
+    assert all(t[0] > 0 for _, t in results)  # each rank took its share of the checksums while reading
+
+
 @pytest.mark.parametrize(("strategy", "tp_size"), STRATEGIES, ids=STRATEGY_IDS)
 def test_verify_proves_the_load_and_catches_a_damaged_shard(ranks2, checkpoints, strategy, tp_size):
     for verified, error in ranks2.run(case_verify, checkpoints[("distinct", False)], strategy, tp_size, 1):

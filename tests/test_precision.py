@@ -15,7 +15,9 @@ from torch.distributed.tensor import DTensor
 
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
-from nemo_wrap.distributed.precision import parameter_dtype, precision_plan
+from nemo_wrap.auto import auto_model
+from nemo_wrap.distributed.hardware import fast_matmul_dtypes
+from nemo_wrap.distributed.precision import default_parameter_dtype, parameter_dtype, precision_plan
 from nemo_wrap.distributed.strategies.fsdp2 import FSDP2Options, with_mixed_precision
 from nemo_wrap.errors import InvalidSetupError
 from tests.checkpoints import write_checkpoint
@@ -81,6 +83,48 @@ def test_fsdp2_options_take_the_policy_or_refuse_a_conflict():
         with pytest.raises(InvalidSetupError, match=r"param_dtype=torch.float16\) conflicts with the precision"):
             precision_plan(precision, F32, "fsdp2", 2, conflicting)
     assert precision_plan("bf16-mixed", F32, "fsdp2", 1, conflicting).cast_by == "autocast"  # pure tp: no FSDP
+
+
+F16 = torch.float16
+FAST_SETS = [frozenset(), frozenset({BF16}), frozenset({F16}), frozenset({BF16, F16})]
+
+
+@pytest.mark.parametrize(
+    ("stored", "fast", "device"), list(itertools.product([F32, BF16, F16], FAST_SETS, ["cpu", "cuda"]))
+)
+def test_the_default_dtype_avoids_16_bit_dtypes_the_device_multiplies_slowly(stored, fast, device):
+    choice = default_parameter_dtype(stored, fast, device)
+    slow = stored != F32 and stored not in fast
+    assert choice.dtype == (F32 if slow else stored)
+    assert ("no fast" in choice.reason) == slow and (device.upper() in choice.reason) == slow
+    plan = precision_plan(None, choice.dtype, None, 1, dtype_reason=choice.reason)
+    assert plan.parameter_dtype == plan.compute_dtype == choice.dtype and choice.reason in str(plan)
+
+
+def test_this_cpu_s_fast_dtypes_follow_its_feature_flags():
+    flags = set(open("/proc/cpuinfo").read().split())
+    fast = fast_matmul_dtypes("cpu")
+    assert (BF16 in fast) == bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    assert (F16 in fast) == bool(flags & {"avx512_fp16", "amx_fp16", "asimdhp"})
+
+
+@pytest.mark.parametrize("fast", [frozenset(), frozenset({BF16})], ids=["slow-bf16", "fast-bf16"])
+def test_a_bf16_checkpoint_trains_in_fp32_by_default_only_where_bf16_is_slow(tmp_path, monkeypatch, fast):
+    path = write_checkpoint(tmp_path / "bf16", "own-llama", "distinct", tie=False, dtype=BF16)
+    monkeypatch.setattr(auto_model, "fast_matmul_dtypes", lambda device_type: fast)
+    default = NeMoAutoModelForCausalLM.from_pretrained(path)
+    expected = BF16 if fast else F32
+    assert {p.dtype for p in default.parameters()} == {expected}
+    plan = str(NeMoAutoModelForCausalLM.plan(path).precision)
+    assert plan == str(default.load_report.plan.precision)
+    assert ("no fast bf16 matmul" in plan) == (not fast)
+    reference = NeMoAutoModelForCausalLM.from_pretrained(path, dtype="auto")  # explicit: the checkpoint's
+    assert {p.dtype for p in reference.parameters()} == {BF16}
+    for name, value in reference.state_dict().items():  # bf16 → fp32 is exact
+        torch.testing.assert_close(default.state_dict()[name], value.to(expected), rtol=0, atol=0)
+    for precision, stored in [("bf16", BF16), ("bf16-mixed", F32), ("fp32", F32)]:  # an explicit choice wins
+        plan_of = NeMoAutoModelForCausalLM.plan(path, precision=precision).precision
+        assert plan_of.parameter_dtype == stored and plan_of.name == precision
 
 
 @pytest.fixture(scope="module")

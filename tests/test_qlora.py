@@ -90,7 +90,7 @@ def test_the_4bit_model_is_transformers_4bit_model(base, double_quant):
 def test_fp4_and_a_bf16_checkpoint_are_transformers_too(tmp_path):
     base = write_checkpoint(tmp_path / "bf16", "own-llama", "random", tie=False, dtype=torch.bfloat16)
     for quantization in (_nf4(quant_type="fp4"), _nf4(double_quant=False)):
-        ours = NeMoAutoModelForCausalLM.from_pretrained(base, quantization_config=quantization, verify=True)
+        ours = NeMoAutoModelForCausalLM.from_pretrained(base, quantization_config=quantization, verify=True, dtype="auto")
         reference = transformers_4bit(base, quantization)
         assert ours.model.embed_tokens.weight.dtype == torch.bfloat16  # the rest keeps the checkpoint's dtype
         torch.testing.assert_close(ours(IDS).logits, reference(IDS).logits, atol=0, rtol=0)

@@ -21,10 +21,17 @@ from nemo_wrap.auto.pipeline import LoadPipeline, check_loadable
 from nemo_wrap.checkpoint.locate import Checkpoint, open_checkpoint, require_inside, resolve_checkpoint_directory
 from nemo_wrap.checkpoint.peft_adapter import open_adapter
 from nemo_wrap.checkpoint.strict_json import read_json_file
-from nemo_wrap.distributed.collectives import RankGroup
+from nemo_wrap.distributed.collectives import RankGroup, collective_device
 from nemo_wrap.distributed.expert_parallel import expert_layout
+from nemo_wrap.distributed.hardware import fast_matmul_dtypes
 from nemo_wrap.distributed.pipeline import StageLayout, stage_layouts
-from nemo_wrap.distributed.precision import Precision, parameter_dtype, precision_plan
+from nemo_wrap.distributed.precision import (
+    DtypeChoice,
+    Precision,
+    default_parameter_dtype,
+    parameter_dtype,
+    precision_plan,
+)
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import (
     CheckpointNotFoundError,
@@ -117,7 +124,8 @@ class NeMoAutoModelForCausalLM:
         ``distributed_setup=None`` loads into this process alone and runs no collective, whatever
         process group exists (so rank 0 may load a model by itself).
 
-        ``dtype=None``/``"auto"`` keeps the checkpoint's dtype. ``strict`` (default) raises
+        ``dtype="auto"`` keeps the checkpoint's dtype; ``dtype=None`` (default) too, where the device
+        multiplies it fast, else fp32 (bf16 on a CPU without bf16 instructions). ``strict`` (default) raises
         :class:`MissingWeightsError` / :class:`UnexpectedKeysError` on every rank instead of
         initializing what the checkpoint lacks. ``verify`` re-reads the checkpoint and compares
         per-tensor checksums with what every rank holds. ``seed`` seeds whatever is initialized.
@@ -141,7 +149,7 @@ class NeMoAutoModelForCausalLM:
         source = resolve_model_source(config, force_hf=options.force_hf)
         parameters = _parameter_dtype(options, config, checkpoint)
         plan = _make_plan(source, config, distributed_setup, True, options, parameters)
-        return LoadPipeline(plan, source, config, parameters, distributed_setup, options, checkpoint, lora).run()
+        return LoadPipeline(plan, source, config, parameters.dtype, distributed_setup, options, checkpoint, lora).run()
 
     @classmethod
     def from_config(
@@ -158,8 +166,9 @@ class NeMoAutoModelForCausalLM:
         """A freshly initialized model, sharded as ``distributed_setup`` says (one process if ``None``).
 
         ``seed`` fixes the init (default: rank 0's ``torch.initial_seed()``, shared with all ranks);
-        the full weights are the same for every strategy and world size. ``dtype=None`` (or
-        ``"auto"``) means the config's dtype, float32 when it names none; ``precision``,
+        the full weights are the same for every strategy and world size. ``dtype="auto"`` means the
+        config's dtype, float32 when it names none; ``dtype=None`` the same, except a 16-bit dtype
+        the device does not multiply fast becomes float32 (as in :meth:`from_pretrained`); ``precision``,
         ``compile`` and ``options`` as in :meth:`from_pretrained`.
         """
         given = LoadOptions(seed=seed, dtype=dtype, force_hf=force_hf, precision=precision, compile=compile)
@@ -167,7 +176,7 @@ class NeMoAutoModelForCausalLM:
         source = resolve_model_source(config, force_hf=options.force_hf)
         parameters = _parameter_dtype(options, config, None)
         plan = _make_plan(source, config, distributed_setup, False, options, parameters)
-        return LoadPipeline(plan, source, config, parameters, distributed_setup, options).run()
+        return LoadPipeline(plan, source, config, parameters.dtype, distributed_setup, options).run()
 
 
 def _one_of(options: LoadOptions | None, keywords: LoadOptions) -> LoadOptions:
@@ -185,14 +194,13 @@ def _make_plan(
     setup: DistributedSetup | None,
     has_checkpoint: bool,
     options: LoadOptions,
-    parameters: torch.dtype,
+    parameters: DtypeChoice,
 ) -> LoadPlan:
     """The plan; ``parameters`` is the parameters' resolved dtype."""
     strategy = None if setup is None else setup.strategy
     dp_size = 1 if setup is None else setup.dp_size
-    precision = precision_plan(
-        options.precision, parameters, strategy, dp_size, None if setup is None else setup.options
-    )
+    own_options = None if setup is None else setup.options
+    precision = precision_plan(options.precision, parameters.dtype, strategy, dp_size, own_options, parameters.reason)
     key_mapping = source.spec.key_mapping(source.architecture, config.model_type)
     experts = None if setup is None else expert_layout(config, source.model_class, setup.degrees)
     return make_load_plan(source.model_class.__name__, source.is_custom, source.reason, setup, has_checkpoint, options,
@@ -248,11 +256,19 @@ def _load_config(directory: Path, overrides: dict[str, Any]) -> PretrainedConfig
     return config
 
 
-def _parameter_dtype(options: LoadOptions, config: PretrainedConfig, checkpoint: Checkpoint | None) -> torch.dtype:
-    """The parameters' dtype: ``precision``'s (an explicit ``dtype`` must agree), else ``dtype``'s."""
+def _parameter_dtype(options: LoadOptions, config: PretrainedConfig, checkpoint: Checkpoint | None) -> DtypeChoice:
+    """The parameters' dtype: ``precision``'s (an explicit ``dtype`` must agree), else ``dtype``'s;
+    ``"auto"`` is the checkpoint's, and with neither given it is the device's fast choice."""
     dtype = options.dtype
     explicit = None if dtype is None or dtype == "auto" else _resolve_dtype(dtype, config, checkpoint)
-    return parameter_dtype(options.precision, explicit) or _resolve_dtype(dtype, config, checkpoint)
+    chosen = parameter_dtype(options.precision, explicit)
+    if chosen is not None:
+        return DtypeChoice(chosen, "dtype given")
+    stored = _resolve_dtype(dtype, config, checkpoint)
+    if dtype == "auto":
+        return DtypeChoice(stored, "dtype='auto': the weights' dtype")
+    device_type = collective_device().type
+    return default_parameter_dtype(stored, fast_matmul_dtypes(device_type), device_type)
 
 
 def _resolve_dtype(

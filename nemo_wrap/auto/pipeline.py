@@ -61,8 +61,8 @@ from nemo_wrap.errors import (
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import LoadPlan, Step
 from nemo_wrap.loading.provenance import Initialized, LoadReport, Provenance, Tied
-from nemo_wrap.loading.read import checkpoint_shapes, matches_any, read_into_model
-from nemo_wrap.loading.verify import verify_load
+from nemo_wrap.loading.read import checkpoint_blocks, checkpoint_shapes, matches_any, read_into_model
+from nemo_wrap.loading.verify import ChecksumsWhileReading, verify_load
 from nemo_wrap.models.config_checks import (
     check_config_sizes,
     check_layer_count,
@@ -97,6 +97,7 @@ class LoadPipeline:
     bytes_read: int = 0
     tp_plan: TensorParallelPlan | None = None
     adapter: StateDictAdapter | None = None  # built once by the read, reused by verify
+    expected_checksums: dict[str, int] = field(default_factory=dict)  # verify's, taken while reading
     unused_adapter_keys: tuple[str, ...] = ()
     adapter_keys: dict[str, str] = field(default_factory=dict)  # our name → PEFT key of the adapter's tensors
 
@@ -205,7 +206,13 @@ class LoadPipeline:
 
         def read() -> tuple[dict[str, Provenance], set[str], int]:
             with BlockReader() as reader:
-                provenance, used = read_into_model(self.model, checkpoint, reader, adapter, self.group.is_writer)
+                witness = None
+                if self.options.verify:
+                    rereads = checkpoint_blocks(checkpoint, reader, second_read=True)
+                    witness = ChecksumsWhileReading(adapter, rereads, self.same_tensors_group)
+                show = self.group.is_writer
+                provenance, used = read_into_model(self.model, checkpoint, reader, adapter, show, witness)
+                self.expected_checksums = witness.expected if witness is not None else {}
                 return provenance, used, sum(reader.bytes_read.values())
 
         self.provenance, self.used_keys, self.bytes_read = self.group.on_every_rank("reading the checkpoint", read)
@@ -271,7 +278,8 @@ class LoadPipeline:
         in_adapter = set(self.adapter_keys) if from_file else {name for name in distinct if is_lora_parameter(name)}
         base = {name: t for name, t in distinct.items() if name not in in_adapter}
         group = self.same_tensors_group
-        verify_load(base, self.provenance, self.adapter, self.checkpoint, group, encoded_weights(self.model))
+        encoded = encoded_weights(self.model)
+        verify_load(base, self.provenance, self.adapter, self.checkpoint, group, encoded, self.expected_checksums)
         if self.lora is not None and self.lora.adapter_file is not None:
             adapter = {name: t for name, t in distinct.items() if name in in_adapter}
             file_view = AdapterFileAdapter(self.adapter_keys)

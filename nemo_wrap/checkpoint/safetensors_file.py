@@ -153,6 +153,7 @@ class BlockReader:
     def __init__(self) -> None:
         self._files: dict[Path, _MappedFile] = {}
         self.bytes_read: dict[str, int] = {}
+        self._held: list[tuple[_MappedFile, TensorEntry, torch.Tensor]] | None = None
 
     def close(self) -> None:
         self._files.clear()  # the last reference to a mapping unmaps it
@@ -167,13 +168,35 @@ class BlockReader:
     def block(self, entry: TensorEntry, window: tuple[slice, ...]) -> Iterator[torch.Tensor]:
         """``tensor[window]`` of ``entry`` as a view of the mapped file, valid inside the block; its
         pages are dropped from the resident set afterwards and its bytes counted as read."""
+        with self.reread(entry, window) as view:
+            yield view
+        self.bytes_read[entry.key] = self.bytes_read.get(entry.key, 0) + view.numel() * entry.dtype.itemsize
+
+    @contextmanager
+    def reread(self, entry: TensorEntry, window: tuple[slice, ...]) -> Iterator[torch.Tensor]:
+        """:meth:`block` for ``verify``'s second read: the same view and page dropping, not counted
+        in ``bytes_read`` (which is what the load read)."""
         mapped = self._mapped(entry.file)
         view = mapped.tensor(entry)[window]
         try:
             yield view
         finally:
-            mapped.drop_pages(entry, view)
-        self.bytes_read[entry.key] = self.bytes_read.get(entry.key, 0) + view.numel() * entry.dtype.itemsize
+            if self._held is None:
+                mapped.drop_pages(entry, view)
+            else:
+                self._held.append((mapped, entry, view))
+
+    @contextmanager
+    def pages_held(self) -> Iterator[None]:
+        """Keep the pages of the blocks handed out inside mapped until it ends, so a second look at
+        the same bytes (``verify``'s, right after a tensor is read) costs no page faults."""
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            for mapped, entry, view in held:
+                mapped.drop_pages(entry, view)
 
     def _mapped(self, path: Path) -> _MappedFile:
         if path not in self._files:

@@ -10,7 +10,10 @@ parameters themselves in bf16 — half the memory, but the optimizer then update
 bf16 state, which the plan says in words.
 
 The decision is :func:`precision_plan`, a pure function of the name and the layout, printed in the
-load plan; :func:`apply_autocast` is its one action on a model.
+load plan; :func:`apply_autocast` is its one action on a model. With neither ``precision`` nor
+``dtype`` given, :func:`default_parameter_dtype` keeps the checkpoint's dtype unless the device
+has no fast matmul in it (a CPU without bf16 instructions, :mod:`.hardware`): then the model trains
+in fp32, and the plan says why.
 """
 
 from __future__ import annotations
@@ -64,16 +67,43 @@ class PrecisionPlan:
         )
 
 
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype parameters are built in, and why (printed in the plan)."""
+
+    dtype: torch.dtype
+    reason: str
+
+
+def default_parameter_dtype(stored: torch.dtype, fast: frozenset[torch.dtype], device_type: str) -> DtypeChoice:
+    """With neither ``precision`` nor ``dtype`` given: ``stored`` (the checkpoint's or config's
+    dtype), unless it is a 16-bit dtype ``device_type`` does not multiply fast (not in ``fast``) —
+    then fp32 compute and master weights, which train correctly and, there, far faster."""
+    name = _DTYPE_NAMES[stored]
+    if stored in (torch.bfloat16, torch.float16) and stored not in fast:
+        return DtypeChoice(
+            torch.float32,
+            f"the weights are {name}, but this {device_type.upper()} has no fast {name} matmul, so fp32 "
+            f"compute and master weights; pass precision= or dtype= to choose",
+        )
+    return DtypeChoice(stored, f"the weights' dtype, {name}")
+
+
 def precision_plan(
-    precision: str | None, dtype: torch.dtype, strategy: str | None, dp_size: int, options: Any = None
+    precision: str | None,
+    dtype: torch.dtype,
+    strategy: str | None,
+    dp_size: int,
+    options: Any = None,
+    dtype_reason: str = "the dtype",
 ) -> PrecisionPlan:
     """The precision of a model whose parameters are built in ``dtype``, under ``strategy`` (with
     its ``options``) on ``dp_size`` data-parallel ranks. Pure: strategy facts come from the registry.
 
-    ``precision=None`` keeps ``dtype`` throughout, unless the strategy's own options cast (fsdp2's
-    ``param_dtype`` / ``reduce_dtype``), which the plan then describes. A ``precision`` whose
-    dtypes those options contradict raises :class:`InvalidSetupError` here, so ``plan()`` refuses
-    it as the load would.
+    ``precision=None`` keeps ``dtype`` throughout (``dtype_reason`` says why it is that dtype),
+    unless the strategy's own options cast (fsdp2's ``param_dtype`` / ``reduce_dtype``), which the
+    plan then describes. A ``precision`` whose dtypes those options contradict raises
+    :class:`InvalidSetupError` here, so ``plan()`` refuses it as the load would.
     """
     _require_known(precision)
     with_precision = None if strategy is None or dp_size == 1 else strategy_entry(strategy).mixed_precision_options
@@ -81,7 +111,8 @@ def precision_plan(
         compute, reduce = getattr(options, "param_dtype", None), getattr(options, "reduce_dtype", None)
         if with_precision is not None and (compute or reduce):
             return PrecisionPlan("the strategy's own dtypes", dtype, compute or dtype, reduce or dtype, "fully_shard")
-        return PrecisionPlan(f"{_DTYPE_NAMES[dtype]} (no precision given: the dtype)", dtype, dtype, dtype, "none")
+        name = f"{_DTYPE_NAMES[dtype]} (no precision given: {dtype_reason})"
+        return PrecisionPlan(name, dtype, dtype, dtype, "none")
     if precision == "bf16-mixed":
         cast_by: Literal["none", "fully_shard", "autocast"] = "fully_shard" if with_precision else "autocast"
         plan = PrecisionPlan(precision, torch.float32, torch.bfloat16, torch.float32, cast_by)

@@ -27,7 +27,9 @@ _FLAGS = ("strict", "verify", "force_hf", "allow_pickle", "compile")
 class LoadOptions:
     """How to load: each field is the ``from_pretrained`` keyword of the same name.
 
-    - ``dtype``: the parameters' dtype (``None``/``"auto"``: the checkpoint's);
+    - ``dtype``: the parameters' dtype (``"auto"``: the checkpoint's; ``None``: the checkpoint's
+      unless the device has no fast matmul in it — bf16 on a CPU without bf16 instructions —
+      then fp32, see :func:`~nemo_wrap.distributed.precision.default_parameter_dtype`);
     - ``strict``: raise for missing or unexpected weights instead of initializing or ignoring them;
     - ``verify``: re-read the checkpoint and compare checksums with what every rank holds;
     - ``force_hf``: transformers' class even where nemo_wrap has its own;

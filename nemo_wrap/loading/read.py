@@ -46,15 +46,22 @@ ENCODE_CHUNK_VALUES = 2**20
 BlockView = Callable[[str, tuple[slice, ...]], AbstractContextManager[torch.Tensor]]
 
 
+# Called with each tensor just read (name, tensor, its provenance) while its file pages are mapped.
+AfterRead = Callable[[str, torch.Tensor, Provenance], None]
+
+
 def read_into_model(
     model: nn.Module,
     checkpoint: Checkpoint,
     reader: BlockReader,
     adapter: StateDictAdapter,
     show_progress: bool = False,
+    after_read: AfterRead | None = None,
 ) -> tuple[dict[str, Provenance], set[str]]:
     """Fill every local shard from ``checkpoint`` through ``adapter``; return provenance per tensor
-    and the checkpoint keys used. ``show_progress``: this rank may show a progress bar."""
+    and the checkpoint keys used. ``show_progress``: this rank may show a progress bar.
+    ``after_read`` sees each plain tensor right after it is read, before its pages are dropped
+    (``verify`` takes its checkpoint side there, from pages still mapped: no second page faults)."""
     transform = "identity" if isinstance(adapter, IdentityAdapter) else type(adapter).__name__
     distinct, tied = checkpoint_tensors(model)
     encoded = encoded_weights(model)
@@ -65,7 +72,10 @@ def read_into_model(
     )
     with torch.no_grad(), progress_bar(len(distinct) + len(encoded), "loading", show_progress) as bar:
         for name, tensor in distinct.items():
-            found = provenance[name] = _read_one(name, tensor, reading)
+            with reader.pages_held() if after_read is not None else nullcontext():
+                found = provenance[name] = _read_one(name, tensor, reading)
+                if after_read is not None:
+                    after_read(name, tensor, found)
             if isinstance(found, Loaded):
                 used.update(found.keys)
             bar.update(1)
@@ -80,13 +90,15 @@ def read_into_model(
     return provenance, used
 
 
-def checkpoint_blocks(checkpoint: Checkpoint, reader: BlockReader) -> BlockView:
-    """Where blocks come from: views of the mapped safetensors files, or of allowed pickle tensors."""
+def checkpoint_blocks(checkpoint: Checkpoint, reader: BlockReader, second_read: bool = False) -> BlockView:
+    """Where blocks come from: views of the mapped safetensors files, or of allowed pickle tensors.
+    ``second_read``: ``verify``'s, not counted in the reader's ``bytes_read``."""
     if checkpoint.pickle_tensors is not None:
         tensors = checkpoint.pickle_tensors
         return lambda key, window: nullcontext(tensors[key][window])
     entries = checkpoint.entries
-    return lambda key, window: reader.block(entries[key], window)
+    view = reader.reread if second_read else reader.block
+    return lambda key, window: view(entries[key], window)
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,18 @@
 Per tensor, an exact checksum of bit patterns keyed by global position (:mod:`.checksum`): it does
 not depend on summation order, on how the tensor is sharded, or on which rank holds what — a value
 in the wrong place changes it. The expected side re-reads the checkpoint (the one allowed second
-read), each tensor on one rank in turn, window by window straight from the mapped files as the
-adapter names them, in global coordinates — not through the loader's shard geometry, which is
-what it checks; the actual side sums the local shards of the ranks that own a distinct piece
-(replicas along ``Replicate`` mesh dims count once). Plain tensors, replicated by DDP, are compared
-on every rank.
+read), each tensor on one rank (:func:`checking_rank`), window by window straight from the mapped
+files as the adapter names them, in global coordinates — not through the loader's shard geometry,
+which is what it checks; the actual side sums the local shards of the ranks that own a distinct
+piece (replicas along ``Replicate`` mesh dims count once). Plain tensors, replicated by DDP, are
+compared on every rank.
+
+The expected side of plain tensors is taken during the load (:class:`ChecksumsWhileReading`), right
+after each tensor is read and before its file pages are dropped: the second read then costs no page
+faults (on SmolLM2-135M fp32 verify went from 1.7× to 1.4× the load). Only its timing is shared
+with the loader; its windows and indices are the adapter's, whole tensors in global coordinates.
+What bounds verify now is memory speed: it reads the model's bytes twice (the checkpoint's and the
+ranks'), each pass an int8 product at ~14 GB/s here against ~23 GB/s for a plain float sum.
 
 A 4-bit layer holds no copy of its checkpoint tensor, only bitsandbytes' encoding of it. For it,
 verify re-reads the tensor whole, has bitsandbytes quantize it in one piece, and compares that
@@ -18,8 +25,9 @@ quantized while reading, at the cost of quantizing the model once more.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -52,6 +60,29 @@ def _owns_distinct_piece(tensor: DTensor, first_rank: int) -> bool:
         and bool((mesh.mesh == first_rank).any())
         and all(coordinate[d] == 0 for d, p in enumerate(tensor.placements) if isinstance(p, Replicate))
     )
+
+
+def checking_rank(name: str, group_size: int) -> int:
+    """The rank of the group that re-reads tensor ``name`` from the checkpoint: a stable hash of the
+    name, so the read pass and the audit agree without a list or a collective, and ranks re-read
+    about equal shares of the tensors."""
+    return zlib.crc32(name.encode()) % group_size
+
+
+@dataclass
+class ChecksumsWhileReading:
+    """The expected side of ``verify``, taken by the read pass (an ``after_read`` callback): the
+    checkpoint checksum of each loaded tensor this rank checks, while its pages are still mapped.
+    ``view_block`` must be a second-read view (not counted as the load's bytes)."""
+
+    adapter: StateDictAdapter
+    view_block: BlockView
+    group: RankGroup
+    expected: dict[str, int] = field(default_factory=dict)
+
+    def __call__(self, name: str, tensor: torch.Tensor, provenance: Provenance) -> None:
+        if isinstance(provenance, Loaded) and checking_rank(name, self.group.size) == self.group.rank:
+            self.expected[name] = _expected_checksum(name, tensor, self.adapter, self.view_block)
 
 
 def _expected_checksum(name: str, like: torch.Tensor, adapter: StateDictAdapter, view_block: BlockView) -> int:
@@ -134,11 +165,14 @@ def verify_load(
     checkpoint: Checkpoint,
     group: RankGroup,
     encoded: dict[str, EncodedWeight] | None = None,
+    expected_so_far: Mapping[str, int] | None = None,
 ) -> None:
     """Raise :class:`LoadVerificationError` (on every rank of ``group``) naming each tensor that differs.
 
     ``group`` holds the same tensor names on every rank (the job, or one pipeline stage's ranks).
     ``encoded`` are the layers that hold a checkpoint tensor encoded (4-bit), by that tensor's name.
+    ``expected_so_far``: checkpoint checksums already taken while reading
+    (:class:`ChecksumsWhileReading`); the others are re-read here.
     """
     with BlockReader() as reader, torch.no_grad():
         view_block = checkpoint_blocks(checkpoint, reader)
@@ -152,9 +186,10 @@ def verify_load(
         ]
         expected = torch.zeros(len(checks), dtype=torch.int64)
         actual = torch.zeros(len(checks), dtype=torch.int64)
+        so_far = expected_so_far or {}
         for i, check in enumerate(checks):
-            if i % group.size == group.rank:
-                expected[i] = check.expected()
+            if checking_rank(check.name, group.size) == group.rank:
+                expected[i] = so_far[check.name] if check.name in so_far else check.expected()
             actual[i] = check.actual()
     _raise_for_differences(checks, expected, actual, checkpoint, group)
 

@@ -132,7 +132,7 @@ def run_sft(
             stopped = _train(job, range(start, total), config, setup, stop)
             if stopped is not None:
                 raise _stop_with_checkpoint(job, stopped, total)
-        if job.evaluation is not None:
+        if job.evaluation is not None and not _evaluated_at(job.log, total):
             job.log.log(total, eval_loss=job.evaluation())
         job.checkpoints.close()  # collective: a background save is in place before the model is saved
     finally:
@@ -267,6 +267,12 @@ def _train(job: _Job, steps: range, config: SFTConfig, setup: DistributedSetup, 
                     job.checkpoints.save(job.model, job.optimizer, done, data=job.batches)
             bar.update(1)
     return None
+
+
+def _evaluated_at(log: MetricsLog, step: int) -> bool:
+    """Whether ``step``'s evaluation is already logged (its ``eval_every`` fell on it): the run's
+    closing evaluation would log the same loss twice."""
+    return any(record["step"] == step and "eval_loss" in record for record in log.records)
 
 
 def _stop_with_checkpoint(job: _Job, step: int, total: int) -> PreemptedError:
