@@ -51,7 +51,6 @@ from nemo_wrap.errors import (
     CheckpointSaveError,
     CorruptCheckpointError,
     DistributedStateError,
-    NeMoWrapError,
 )
 
 _ERROR_CHARS = 2000  # DCP's exception lists every rank's traceback: enough of it to see the cause
@@ -215,17 +214,12 @@ def load_checkpoint(
 def _inspected(path: Path, group: RankGroup) -> Layout:
     """The checkpoint's index, once rank 0 found its files sound; every rank gets the same answer,
     or raises the same error."""
-
-    def inspect() -> Layout | NeMoWrapError:
-        try:
-            return checkpoint_layout(path)
-        except (CheckpointNotFoundError, CorruptCheckpointError) as error:
-            return error  # handed to every rank, which raises it
-
-    verdict = group.on_rank_zero("checking the checkpoint's files", inspect, partial(_unreadable, path))
-    if isinstance(verdict, NeMoWrapError):
-        raise verdict
-    return verdict
+    return group.on_rank_zero(
+        "checking the checkpoint's files",
+        partial(checkpoint_layout, path),
+        partial(_unreadable, path),
+        passed=(CheckpointNotFoundError, CorruptCheckpointError),
+    )
 
 
 def _unreadable(path: Path, description: str) -> CorruptCheckpointError:

@@ -104,15 +104,17 @@ def newest_checkpoint(output_dir: str | Path) -> Path | None:
     return numbered[-1][1] if numbered else None
 
 
-def _resolve_here(resume: str, output_dir: Path) -> tuple[str | None, str | None]:
-    """Rank 0's answer for :func:`resolve_resume`: (the checkpoint's absolute path, or ``None``;
-    why an explicit path cannot be resumed from, or ``None``)."""
+def _resolve_here(resume: str, output_dir: Path) -> str | None:
+    """Rank 0's answer for :func:`resolve_resume`: the checkpoint's absolute path, or ``None``;
+    :class:`CheckpointNotFoundError` when an explicit path cannot be resumed from."""
     if resume == AUTO:
         newest = newest_checkpoint(output_dir)
-        return (None if newest is None else str(newest.absolute())), None
+        return None if newest is None else str(newest.absolute())
     path = Path(resume).absolute()
     problem = _incomplete(path)
-    return str(path), None if problem is None else f"{path}: cannot resume from it: {problem}"
+    if problem is not None:
+        raise CheckpointNotFoundError(f"{path}: cannot resume from it: {problem}")
+    return str(path)
 
 
 def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
@@ -126,11 +128,9 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
     if resume is None:
         return None
     decide = partial(_resolve_here, resume, Path(output_dir))
-    found, problem = RankGroup.job().on_rank_zero(
-        "finding the checkpoint to resume from", decide, CheckpointNotFoundError
+    found = RankGroup.job().on_rank_zero(
+        "finding the checkpoint to resume from", decide, CheckpointNotFoundError, passed=(CheckpointNotFoundError,)
     )
-    if problem is not None:
-        raise CheckpointNotFoundError(problem)
     return None if found is None else Path(found)
 
 

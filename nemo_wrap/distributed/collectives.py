@@ -113,22 +113,34 @@ class RankGroup:
             raise error
         return result  # type: ignore[return-value]
 
-    def on_rank_zero(self, what: str, action: Callable[[], T], failure: Callable[[str], NeMoWrapError]) -> T:
+    def on_rank_zero(
+        self,
+        what: str,
+        action: Callable[[], T],
+        failure: Callable[[str], NeMoWrapError],
+        passed: tuple[type[NeMoWrapError], ...] = (),
+    ) -> T:
         """Run ``action`` on the writer alone and return its (small, picklable) result on every rank.
 
         If it raises, every rank raises ``failure(description)``, where the description names the
-        step and the writer's error; on the writer it is chained to the original error.
+        step and the writer's error; on the writer it is chained to the original error. An error of
+        a class in ``passed`` (the writer's verdict, already worded for the user) is raised as it is
+        on every rank instead: the same class and message.
         """
         error: Exception | None = None
-        outcome: list[object] = [None, None]  # [error text or None, result]
+        outcome: list[object] = [None, None, None]  # [error text or None, result, a passed error or None]
         if self.is_writer:
             try:
                 outcome[1] = action()
+            except passed as verdict:  # handed to every rank as it is
+                outcome[2] = verdict
             except Exception as caught:  # reported on every rank below
                 error = caught
                 outcome[0] = f"{type(caught).__name__}: {caught}"
         if self.collective:
             dist.broadcast_object_list(outcome, src=self.first_global_rank, group=self.process_group)
+        if isinstance(outcome[2], NeMoWrapError):
+            raise outcome[2]
         if outcome[0] is not None:
             raise failure(f"{what} failed on rank 0: {outcome[0]}") from error
         return outcome[1]  # type: ignore[return-value]
