@@ -1,8 +1,8 @@
 """What ``verify=True`` adds to a load: the 1.1B bf16 benchmark checkpoint and the real SmolLM2-135M fp32.
 
 Each case is ``from_pretrained`` in a fresh process (or a fresh 2-rank torchrun job under fsdp2),
-timed from the call to every page of the weights touched, with and without ``verify``; the two
-alternate, and each repeat gives one ratio. The checkpoint keeps its dtype (``dtype="auto"``).
+timed from the call to every page of the weights touched, with and without ``verify``; all cases
+alternate (``common.all_runs``), and each repeat gives one ratio. The checkpoint keeps its dtype (``dtype="auto"``).
 Goal: verify ≤ 1.3× the load alone on both checkpoints, in one process and per rank on 2 ranks.
 Run: ``python -m benchmarks.bench_verify``.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_from_pretrained import CHECKPOINT, make_checkpoint
-from benchmarks.common import Table, measure_main, run_measure, touch
+from benchmarks.common import Table, all_runs, measure_main, touch
 
 MODULE = "benchmarks.bench_verify"
 CHECKPOINTS = {"1b": "1.1B Llama, bf16, 3 shards", "smollm2": "SmolLM2-135M-Instruct, fp32"}
@@ -54,14 +54,15 @@ def table(repeats: int = 3) -> Table:
         note=f"Best of {repeats} alternating fresh processes (2 ranks: the slower rank), from the call to every "
         "page of the weights touched; the spread is each repeat's own ratio. Goal: ≤ 1.3.",
     )
+    cases = [(c, layout, mode) for c in CHECKPOINTS for layout in LAYOUTS for mode in ("plain", "verify")]
+    kinds = ["-".join(case) for case in cases]
+    runs = all_runs(repeats, MODULE, kinds, {"-".join(case): LAYOUTS[case[1]][1] for case in cases})
+    for kind, (_, _, mode) in zip(kinds, cases, strict=True):
+        assert all(bool(row["verified"]) == (mode == "verify") for rows in runs[kind] for row in rows)
     for checkpoint, name in CHECKPOINTS.items():
-        for layout, (label, ranks) in LAYOUTS.items():
-            times: dict[str, list[float]] = {"plain": [], "verify": []}
-            for _ in range(repeats):
-                for mode in times:
-                    rows = run_measure(MODULE, f"{checkpoint}-{layout}-{mode}", ranks)
-                    assert all(bool(row["verified"]) == (mode == "verify") for row in rows)
-                    times[mode].append(max(row["seconds"] for row in rows))
+        for layout, (label, _) in LAYOUTS.items():
+            times = {mode: [max(row["seconds"] for row in rows) for rows in runs[f"{checkpoint}-{layout}-{mode}"]]
+                     for mode in ("plain", "verify")}  # fmt: skip
             ratios = [v / p for p, v in zip(times["plain"], times["verify"], strict=True)]
             best_plain, best_verify = min(times["plain"]), min(times["verify"])
             result.rows.append([f"{name}: {label}", f"{best_plain:.2f} s", f"{best_verify:.2f} s",

@@ -100,15 +100,10 @@ def first_error_line(stderr: str, returncode: int) -> str:
 
 
 def best_of(repeats: int, module: str, kinds: list[str], nproc: dict[str, int] | None = None) -> dict[str, list[dict]]:
-    """Each kind ``repeats`` times, alternating kinds so background load hits them alike; per kind,
-    the run whose slowest rank was fastest."""
-    best: dict[str, list[dict]] = {}
-    for _ in range(repeats):
-        for kind in kinds:
-            rows = run_measure(module, kind, (nproc or {}).get(kind, 1))
-            if kind not in best or max(r["seconds"] for r in rows) < max(r["seconds"] for r in best[kind]):
-                best[kind] = rows
-    return best
+    """Each kind ``repeats`` times, alternating kinds so background load hits them alike (:func:`all_runs`);
+    per kind, the run whose slowest rank was fastest."""
+    runs = all_runs(repeats, module, kinds, nproc)
+    return {kind: min(rows, key=lambda run: max(r["seconds"] for r in run)) for kind, rows in runs.items()}
 
 
 def all_runs(
