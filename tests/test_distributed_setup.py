@@ -161,7 +161,10 @@ def _toy_entry(applied: list):
 
 def test_a_registered_strategy_is_validated_described_and_planned_from_its_entry(monkeypatch):
     from nemo_wrap.distributed.strategies import registry
-    from nemo_wrap.loading.plan import Step, make_load_plan
+    from nemo_wrap.loading.plan import Step
+    from nemo_wrap.loading.resolve import CheckpointFacts, LoadRequest, LoadOptions, Machine, resolve_load_plan
+    from nemo_wrap.models.registry import resolve_model_source
+    from tests.tiny_models import tiny_config
 
     monkeypatch.setitem(registry._REGISTRY, "toy_replicate", _toy_entry([]))
     setup = DistributedSetup.build("toy_replicate", 4)
@@ -171,7 +174,10 @@ def test_a_registered_strategy_is_validated_described_and_planned_from_its_entry
         DistributedSetup.build("toy_replicate", 4, tp_size=2)
     with pytest.raises(InvalidSetupError, match="reshard_after_forward"):
         DistributedSetup.build("toy_replicate", 4, reshard_after_forward=True)
-    steps = make_load_plan("Model", False, "why", setup, True).steps
+    config = tiny_config("llama")
+    request = LoadRequest(resolve_model_source(config, False), config, setup, LoadOptions(), CheckpointFacts((), ()),
+                          Machine("cpu", frozenset()))  # fmt: skip
+    steps = resolve_load_plan(request).steps
     assert steps.index(Step.SHARD) > steps.index(Step.READ_CHECKPOINT)  # needs real weights first
 
 

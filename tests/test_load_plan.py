@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import shutil
 
@@ -11,14 +12,18 @@ from transformers import BitsAndBytesConfig
 
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
-from nemo_wrap.distributed.pipeline import stage_layouts
 from nemo_wrap.errors import InvalidSetupError, UnsupportedQuantizationError
 from nemo_wrap.loading.options import LoadOptions
-from nemo_wrap.loading.plan import Step, make_load_plan
+from nemo_wrap.loading.plan import Step
+from nemo_wrap.loading.resolve import CheckpointFacts, LoadRequest, Machine, resolve_load_plan
+from nemo_wrap.models.registry import resolve_model_source
 from tests.checkpoints import write_checkpoint
 from tests.tiny_models import tiny_config
 
-STRATEGIES = (None, "ddp", "fsdp2", "megatron_fsdp")
+STRATEGIES = (None, "ddp", "fsdp2", "megatron_fsdp")  # None: distributed_setup=None, one process
+# 4 layers (2 pipeline stages of 2), 4 KV heads (tensor parallel up to 4)
+CONFIGS = {custom: tiny_config("own-llama" if custom else "llama", num_hidden_layers=4, num_key_value_heads=4)
+           for custom in (True, False)}  # fmt: skip
 
 
 NF4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
@@ -33,24 +38,33 @@ def _combinations():
             continue
         if (adapters == "file" and not has_checkpoint) or (compile_layers and tp > 1) or (pp > 1 and strategy != "fsdp2"):
             continue
-        setup = None if strategy is None else DistributedSetup.build(strategy, world, tp_size=tp, pp_size=pp)
+        setup = DistributedSetup.given(
+            None if strategy is None else DistributedSetup.build(strategy, world, tp_size=tp, pp_size=pp)
+        )
         lora = {None: {}, "new": {"peft_config": LoraConfig()}, "file": {"adapter": "adapter/"}}[adapters]
         options = LoadOptions(compile=compile_layers, quantization_config=NF4 if quantized else None, **lora)
-        stages = stage_layouts(4, pp, None, tied_embeddings=False) if pp > 1 else ()
-        yield (is_custom, setup, has_checkpoint, options, stages)
+        yield (is_custom, setup, has_checkpoint, options)
+
+
+def _resolve(is_custom, setup, has_checkpoint, options):
+    """The plan the one resolver makes for a tiny Llama (our class or transformers'), headers only."""
+    config = CONFIGS[is_custom]
+    source = resolve_model_source(config, force_hf=not is_custom)
+    checkpoint = CheckpointFacts((), ()) if has_checkpoint else None
+    return resolve_load_plan(LoadRequest(source, config, setup, options, checkpoint, Machine("cpu", frozenset())))
 
 
 def _quantization_composes(setup, has_checkpoint: bool, options: LoadOptions) -> bool:
     """Where 4-bit layers are built: a checkpoint, one process, ddp or fsdp2, no tp/pp, not compiled."""
-    if setup is not None and (setup.strategy == "megatron_fsdp" or setup.tp_size > 1 or setup.degrees.pp > 1):
+    if setup.strategy == "megatron_fsdp" or setup.tp_size > 1 or setup.degrees.pp > 1:
         return False
     return has_checkpoint and not options.compile
 
 
 def _all_plans():
-    for is_custom, setup, has_checkpoint, options, stages in _combinations():
+    for is_custom, setup, has_checkpoint, options in _combinations():
         if options.quantization_config is None or _quantization_composes(setup, has_checkpoint, options):
-            yield make_load_plan("Model", is_custom, "why", setup, has_checkpoint, options, stages=stages)
+            yield _resolve(is_custom, setup, has_checkpoint, options)
 
 
 PLANS = list(_all_plans())
@@ -66,17 +80,17 @@ def test_cross_product_is_large():
 
 def test_every_combination_4bit_does_not_compose_with_is_refused_by_name():
     refused = 0
-    for is_custom, setup, has_checkpoint, options, stages in _combinations():
+    for is_custom, setup, has_checkpoint, options in _combinations():
         if options.quantization_config is not None and not _quantization_composes(setup, has_checkpoint, options):
             with pytest.raises(UnsupportedQuantizationError, match="quantization_config does not compose with"):
-                make_load_plan("Model", is_custom, "why", setup, has_checkpoint, options, stages=stages)
+                _resolve(is_custom, setup, has_checkpoint, options)
             refused += 1
     assert refused > 100
 
 
 def test_compiling_with_tensor_parallel_is_refused():
     with pytest.raises(InvalidSetupError, match=r"compile=True with tp_size=2"):
-        make_load_plan("Model", True, "why", DistributedSetup.build("fsdp2", 4, 2), True, LoadOptions(compile=True))
+        _resolve(True, DistributedSetup.build("fsdp2", 4, 2), True, LoadOptions(compile=True))
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.strategy}-w{p.world_size}-tp{p.tp_size}-pp{len(p.stages) or 1}-{'ckpt' if p.has_checkpoint else 'none'}-{'custom' if p.is_custom else 'hf'}-lora-{p.adapters}-{'compiled' if Step.COMPILE_LAYERS in p.steps else 'eager'}{'-4bit' if p.quantization else ''}")
@@ -86,7 +100,7 @@ def test_every_plan_reads_the_checkpoint_exactly_once_after_its_storage_exists(p
     assert not plan.weights_arrive_with_build and plan.init_device == "meta"
     assert steps[0] is Step.BUILD_ON_META and steps[-1] is Step.AUDIT
     assert steps.count(Step.MATERIALIZE) == 1 and steps.count(Step.INITIALIZE_REST) == 1
-    assert steps.count(Step.SHARD) == (0 if plan.strategy is None else 1)
+    assert steps.count(Step.SHARD) == (1 if plan.setup.is_collective else 0)
     if plan.has_checkpoint:
         assert steps.index(Step.MATERIALIZE) < steps.index(Step.READ_CHECKPOINT) < steps.index(Step.INITIALIZE_REST)
     assert steps.count(Step.ADD_ADAPTERS) == (plan.adapters is not None)
@@ -116,14 +130,15 @@ def test_every_plan_reads_the_checkpoint_exactly_once_after_its_storage_exists(p
 
 
 def test_plan_prints_as_a_short_explanation():
-    plan = make_load_plan(
-        "NeMoLlamaForCausalLM", True, "LlamaForCausalLM is in MODEL_ARCH_MAPPING", DistributedSetup.build("ddp", 2), True
-    )
+    resolved = _resolve(True, DistributedSetup.build("ddp", 2), True, LoadOptions())
+    plan = dataclasses.replace(resolved, source_reason="LlamaForCausalLM is in MODEL_ARCH_MAPPING")
     text = str(plan)
     assert text.splitlines()[0].startswith("load plan: NeMoLlamaForCausalLM (custom: LlamaForCausalLM is in MODEL_ARCH_MAPPING), ddp on 2 rank(s)")
     assert "weights arrive with the build: no" in text
     assert "3. read the checkpoint into place" in text and "5. shard" in text
-    assert len(text.splitlines()) <= 12
+    # 12 lines before the precision line, which every resolved plan has (the hand-made plan this test
+    # used before the resolver had none)
+    assert len(text.splitlines()) <= 13 and text.splitlines()[-1].startswith("  precision: fp32")
 
 
 def test_plan_of_a_checkpoint_reads_no_weights(tmp_path, monkeypatch):

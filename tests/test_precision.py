@@ -17,6 +17,7 @@ from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.auto import auto_model
 from nemo_wrap.distributed.hardware import fast_matmul_dtypes
+from nemo_wrap.distributed.strategies.registry import SINGLE_PROCESS
 from nemo_wrap.distributed.precision import default_parameter_dtype, parameter_dtype, precision_plan
 from nemo_wrap.distributed.strategies.fsdp2 import FSDP2Options, with_mixed_precision
 from nemo_wrap.errors import InvalidSetupError
@@ -27,7 +28,7 @@ IDS = torch.arange(2 * 16).reshape(2, 16) * 5 % 257
 STEPS = 20
 # (strategy, world, tp) → whether fully_shard does the casting (it does when FSDP shards over dp > 1)
 LAYOUTS = {
-    (None, 1, 1): False,
+    (SINGLE_PROCESS.name, 1, 1): False,
     ("ddp", 4, 1): False,
     ("fsdp2", 4, 1): True,
     ("fsdp2", 4, 2): True,
@@ -69,7 +70,7 @@ def test_precision_and_dtype_must_agree():
     with pytest.raises(InvalidSetupError, match=r"precision='fp16'"):
         parameter_dtype("fp16", None)
     with pytest.raises(InvalidSetupError, match=r"precision='half'"):
-        precision_plan("half", F32, None, 1)
+        precision_plan("half", F32, SINGLE_PROCESS.name, 1)
 
 
 def test_fsdp2_options_take_the_policy_or_refuse_a_conflict():
@@ -97,7 +98,7 @@ def test_the_default_dtype_avoids_16_bit_dtypes_the_device_multiplies_slowly(sto
     slow = stored != F32 and stored not in fast
     assert choice.dtype == (F32 if slow else stored)
     assert ("no fast" in choice.reason) == slow and (device.upper() in choice.reason) == slow
-    plan = precision_plan(None, choice.dtype, None, 1, dtype_reason=choice.reason)
+    plan = precision_plan(None, choice.dtype, SINGLE_PROCESS.name, 1, dtype_reason=choice.reason)
     assert plan.parameter_dtype == plan.compute_dtype == choice.dtype and choice.reason in str(plan)
 
 

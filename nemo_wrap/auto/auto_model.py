@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,21 +18,13 @@ from transformers import AutoConfig, BitsAndBytesConfig, PretrainedConfig, PreTr
 
 from nemo_wrap.auto.classes import loadable_class
 from nemo_wrap.auto.lora_steps import LoraRequest
-from nemo_wrap.auto.pipeline import LoadPipeline, check_loadable
+from nemo_wrap.auto.pipeline import LoadPipeline
 from nemo_wrap.checkpoint.locate import Checkpoint, open_checkpoint, require_inside, resolve_checkpoint_directory
 from nemo_wrap.checkpoint.peft_adapter import open_adapter
 from nemo_wrap.checkpoint.strict_json import read_json_file
 from nemo_wrap.distributed.collectives import RankGroup, collective_device
-from nemo_wrap.distributed.expert_parallel import expert_layout
 from nemo_wrap.distributed.hardware import fast_matmul_dtypes
-from nemo_wrap.distributed.pipeline import StageLayout, stage_layouts
-from nemo_wrap.distributed.precision import (
-    DtypeChoice,
-    Precision,
-    default_parameter_dtype,
-    parameter_dtype,
-    precision_plan,
-)
+from nemo_wrap.distributed.precision import Precision
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import (
     CheckpointNotFoundError,
@@ -39,14 +32,12 @@ from nemo_wrap.errors import (
     UnsupportedModelError,
 )
 from nemo_wrap.loading.options import LoadOptions
-from nemo_wrap.loading.plan import LoadPlan, make_load_plan
+from nemo_wrap.loading.plan import LoadPlan
 from nemo_wrap.loading.read import checkpoint_shapes
-from nemo_wrap.models.lora import lora_settings
+from nemo_wrap.loading.resolve import CheckpointFacts, LoadRequest, Machine, resolve_load_plan
 from nemo_wrap.models.registry import ModelSource, resolve_model_source
 
 _MAX_CONFIG_BYTES = 16 * 2**20  # configs are kilobytes; a few MB with large label maps
-# The dtypes a model can be built and trained in (torch's default dtype takes only these).
-_PARAMETER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class NeMoAutoModelForCausalLM:
@@ -84,16 +75,11 @@ class NeMoAutoModelForCausalLM:
             quantization_config=quantization_config,
         )
         options = _one_of(options, given)
-        checkpoint: Checkpoint | None = None
+        setup = DistributedSetup.given(distributed_setup)
         if isinstance(path_or_config, PretrainedConfig):
-            config = path_or_config
-        else:
-            config, checkpoint = _open(path_or_config, options, RankGroup.local())
-        keys = None if checkpoint is None else list(checkpoint_shapes(checkpoint))
-        source = resolve_model_source(config, options.force_hf)
-        check_loadable(source, config, distributed_setup, keys)  # the load's own refusals
-        parameters = _parameter_dtype(options, config, checkpoint)
-        return _make_plan(source, config, distributed_setup, checkpoint is not None, options, parameters)
+            return _resolve(path_or_config, setup, options, None).plan
+        config, checkpoint = _open(path_or_config, options, RankGroup.local())
+        return _resolve(config, setup, options, checkpoint).plan
 
     @classmethod
     def model_class(cls, config: PretrainedConfig, force_hf: bool = False) -> type[PreTrainedModel]:
@@ -140,16 +126,26 @@ class NeMoAutoModelForCausalLM:
         attributes. ``options`` is the same request as one typed object (:class:`LoadOptions`),
         instead of the keywords. The result carries ``model.load_report``.
         """
-        given = LoadOptions(dtype, strict, verify, force_hf, allow_pickle, seed, peft_config, adapter, precision,
-                            compile, quantization_config)  # fmt: skip
+        given = LoadOptions(
+            dtype=dtype,
+            strict=strict,
+            verify=verify,
+            force_hf=force_hf,
+            allow_pickle=allow_pickle,
+            seed=seed,
+            peft_config=peft_config,
+            adapter=adapter,
+            precision=precision,
+            compile=compile,
+            quantization_config=quantization_config,
+        )
         options = _one_of(options, dataclasses.replace(given, config_overrides=tuple(config_overrides.items())))
-        group = RankGroup.of(sharded=distributed_setup is not None)
+        setup = DistributedSetup.given(distributed_setup)
+        group = setup.rank_group()
         config, checkpoint = group.on_every_rank("opening the checkpoint", lambda: _open(path, options, group))
         lora = group.on_every_rank("opening the adapter", lambda: _lora_request(options))
-        source = resolve_model_source(config, force_hf=options.force_hf)
-        parameters = _parameter_dtype(options, config, checkpoint)
-        plan = _make_plan(source, config, distributed_setup, True, options, parameters)
-        return LoadPipeline(plan, source, config, parameters.dtype, distributed_setup, options, checkpoint, lora).run()
+        request = _resolve(config, setup, options, checkpoint)
+        return LoadPipeline(request.plan, request.source, config, options, checkpoint, lora).run()
 
     @classmethod
     def from_config(
@@ -173,10 +169,8 @@ class NeMoAutoModelForCausalLM:
         """
         given = LoadOptions(seed=seed, dtype=dtype, force_hf=force_hf, precision=precision, compile=compile)
         options = _one_of(options, given)
-        source = resolve_model_source(config, force_hf=options.force_hf)
-        parameters = _parameter_dtype(options, config, None)
-        plan = _make_plan(source, config, distributed_setup, False, options, parameters)
-        return LoadPipeline(plan, source, config, parameters.dtype, distributed_setup, options).run()
+        request = _resolve(config, DistributedSetup.given(distributed_setup), options, None)
+        return LoadPipeline(request.plan, request.source, config, options).run()
 
 
 def _one_of(options: LoadOptions | None, keywords: LoadOptions) -> LoadOptions:
@@ -188,32 +182,33 @@ def _one_of(options: LoadOptions | None, keywords: LoadOptions) -> LoadOptions:
     return options
 
 
-def _make_plan(
-    source: ModelSource,
-    config: PretrainedConfig,
-    setup: DistributedSetup | None,
-    has_checkpoint: bool,
-    options: LoadOptions,
-    parameters: DtypeChoice,
-) -> LoadPlan:
-    """The plan; ``parameters`` is the parameters' resolved dtype."""
-    strategy = None if setup is None else setup.strategy
-    dp_size = 1 if setup is None else setup.dp_size
-    own_options = None if setup is None else setup.options
-    precision = precision_plan(options.precision, parameters.dtype, strategy, dp_size, own_options, parameters.reason)
-    key_mapping = source.spec.key_mapping(source.architecture, config.model_type)
-    experts = None if setup is None else expert_layout(config, source.model_class, setup.degrees)
-    return make_load_plan(source.model_class.__name__, source.is_custom, source.reason, setup, has_checkpoint, options,
-                          key_mapping, precision, _pipeline_stages(config, setup), experts)  # fmt: skip
+@dataclass(frozen=True)
+class _Resolved:
+    """A request and the plan resolved from it."""
+
+    request: LoadRequest
+    plan: LoadPlan
+
+    @property
+    def source(self) -> ModelSource:
+        return self.request.source
 
 
-def _pipeline_stages(config: PretrainedConfig, setup: DistributedSetup | None) -> tuple[StageLayout, ...]:
-    """The pipeline stages' layouts (none without pipeline parallel); refuses a split that cannot
-    cover the config's decoder layers, before anything is built."""
-    if setup is None or setup.degrees.pp == 1:
-        return ()
-    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
-    return stage_layouts(config.num_hidden_layers, setup.degrees.pp, setup.pipeline.layer_split, tied)
+def _resolve(
+    config: PretrainedConfig, setup: DistributedSetup, options: LoadOptions, checkpoint: Checkpoint | None
+) -> _Resolved:
+    """Gather what the decision reads (the class for ``config``, the checkpoint's headers, this
+    machine's facts) and resolve the plan from it."""
+    facts = None
+    if checkpoint is not None:
+        floating = [e.dtype for e in checkpoint.entries.values() if e.dtype.is_floating_point]
+        floating += [t.dtype for t in (checkpoint.pickle_tensors or {}).values() if t.is_floating_point()]
+        facts = CheckpointFacts(tuple(checkpoint_shapes(checkpoint)), tuple(floating))
+    device_type = collective_device().type
+    machine = Machine(device_type, fast_matmul_dtypes(device_type))
+    source = resolve_model_source(config, force_hf=options.force_hf)
+    request = LoadRequest(source, config, setup, options, facts, machine)
+    return _Resolved(request, resolve_load_plan(request))
 
 
 def _lora_request(options: LoadOptions) -> LoraRequest | None:
@@ -221,10 +216,7 @@ def _lora_request(options: LoadOptions) -> LoraRequest | None:
     if options.adapter is not None:
         config, adapter_file = open_adapter(options.adapter)
         return LoraRequest(config, adapter_file)
-    if options.peft_config is None:
-        return None
-    lora_settings(options.peft_config)  # refuses what it does not implement, before anything is built
-    return LoraRequest(options.peft_config)
+    return None if options.peft_config is None else LoraRequest(options.peft_config)
 
 
 def _open(path: str | Path, options: LoadOptions, group: RankGroup) -> tuple[PretrainedConfig, Checkpoint]:
@@ -254,46 +246,3 @@ def _load_config(directory: Path, overrides: dict[str, Any]) -> PretrainedConfig
             f"from_pretrained nor an attribute of {type(config).__name__} ({config_path})"
         )
     return config
-
-
-def _parameter_dtype(options: LoadOptions, config: PretrainedConfig, checkpoint: Checkpoint | None) -> DtypeChoice:
-    """The parameters' dtype: ``precision``'s (an explicit ``dtype`` must agree), else ``dtype``'s;
-    ``"auto"`` is the checkpoint's, and with neither given it is the device's fast choice."""
-    dtype = options.dtype
-    explicit = None if dtype is None or dtype == "auto" else _resolve_dtype(dtype, config, checkpoint)
-    chosen = parameter_dtype(options.precision, explicit)
-    if chosen is not None:
-        return DtypeChoice(chosen, "dtype given")
-    stored = _resolve_dtype(dtype, config, checkpoint)
-    if dtype == "auto":
-        return DtypeChoice(stored, "dtype='auto': the weights' dtype")
-    device_type = collective_device().type
-    return default_parameter_dtype(stored, fast_matmul_dtypes(device_type), device_type)
-
-
-def _resolve_dtype(
-    dtype: torch.dtype | str | None, config: PretrainedConfig, checkpoint: Checkpoint | None
-) -> torch.dtype:
-    """``None``/``"auto"``: the checkpoint's floating dtype (else the config's, else float32)."""
-    if dtype is None or dtype == "auto":
-        floating = _checkpoint_floating_dtypes(checkpoint)
-        dtype = max(set(floating), key=floating.count) if floating else getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        resolved = getattr(torch, dtype, None)
-        if not isinstance(resolved, torch.dtype):
-            raise InvalidSetupError(f"dtype={dtype!r} is not a torch dtype name")
-        dtype = resolved
-    if dtype not in _PARAMETER_DTYPES:
-        raise InvalidSetupError(
-            f"dtype={dtype!r}: parameters are built in one of {[str(d) for d in _PARAMETER_DTYPES]} "
-            "(float8 and integer weights need a quantization library), or pass 'auto' or None"
-        )
-    return dtype
-
-
-def _checkpoint_floating_dtypes(checkpoint: Checkpoint | None) -> list[torch.dtype]:
-    if checkpoint is None:
-        return []
-    floating = [e.dtype for e in checkpoint.entries.values() if e.dtype.is_floating_point]
-    floating += [t.dtype for t in (checkpoint.pickle_tensors or {}).values() if t.is_floating_point()]
-    return floating

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from peft import LoraConfig
-from torch.distributed.tensor.parallel import ParallelStyle
 from transformers import PreTrainedModel
 
 from nemo_wrap.checkpoint.locate import Checkpoint
@@ -40,12 +39,9 @@ class LoraRequest:
     adapter_file: Checkpoint | None = None
 
 
-def add_adapters(
-    model: PreTrainedModel, source: ModelSource, request: LoraRequest, base_name: str
-) -> tuple[LoraConfig, dict[str, ParallelStyle]]:
+def add_adapters(model: PreTrainedModel, source: ModelSource, request: LoraRequest, base_name: str) -> LoraConfig:
     """Attach the adapters ``request`` asks for (on meta, before sharding) and freeze the base but
-    the modules to save; return their config as PEFT saves it (``"all-linear"`` spelt out) and the
-    tensor-parallel plan entries of the adapters (their gradients summed over tp).
+    the modules to save; return their config as PEFT saves it (``"all-linear"`` spelt out).
 
     Our fused classes are matched through their state-dict adapter (which rows are which
     transformers projection); transformers' own classes by their module names as they are.
@@ -53,11 +49,11 @@ def add_adapters(
     base_adapter = source.spec.adapter(model) if source.is_custom else None
     resolved, targets = find_lora_targets(model, request.config, base_adapter)
     settings = lora_settings(request.config)
-    tensor_parallel_entries = add_lora(model, targets, settings)
+    add_lora(model, targets, settings)
     unfreeze(model, modules_to_save_keys(model, settings, source.spec.adapter(model)))
     resolved.base_model_name_or_path = resolved.base_model_name_or_path or base_name
     resolved.inference_mode = False
-    return resolved, tensor_parallel_entries
+    return resolved
 
 
 def expose_projections_to_peft(model: PreTrainedModel, source: ModelSource) -> None:

@@ -158,7 +158,7 @@ class ShardedModelMixin:
         ours. An explicit ``synced_gpus=`` argument wins.
         """
         setup = self.nemo_state.setup
-        if setup is not None and setup.world_size > 1:
+        if setup.is_collective and setup.world_size > 1:
             kwargs.setdefault("synced_gpus", True)
         return super().generate(*args, **kwargs)  # type: ignore[misc]
 
@@ -192,7 +192,7 @@ def no_cache_while_training(
 
 def _is_sharded(model: object) -> bool:
     """Sharded by nemo_wrap, or holding DTensors (parallelized by the caller): saving is collective."""
-    if setup_of(model) is not None:
+    if setup_of(model).is_collective:
         return True
     parameters = model.parameters() if isinstance(model, nn.Module) else ()
     return any(isinstance(parameter, DTensor) for parameter in parameters)

@@ -1,16 +1,19 @@
 """Executing a load plan: build on meta → shard → materialize → read → initialize the rest → audit.
 
-:class:`LoadPipeline` runs the plan's steps in the plan's order — the order is decided once, by
-:func:`nemo_wrap.loading.plan.make_load_plan`, never re-decided here from the model's state — and
-holds what the steps hand to each other. Each step is one short method.
+:class:`LoadPipeline` runs the plan's steps in the plan's order — every decision, the order
+included, is made once by :func:`nemo_wrap.loading.resolve.resolve_load_plan`, never re-decided
+here from the model's state. Each step is one short method that receives the one
+:class:`LoadState` the steps build up; the machine checks here only ask whether this machine can
+run the plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,17 +33,11 @@ from nemo_wrap.auto.model_mixin import no_cache_while_training
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
 from nemo_wrap.distributed.collectives import RankGroup, collective_device, device_memory_bytes
-from nemo_wrap.distributed.context_parallel import (
-    CONTEXT_PARALLEL_ATTENTION,
-    check_context_parallel_supported,
-    register_context_parallel_attention,
-)
-from nemo_wrap.distributed.expert_parallel import expert_layout
+from nemo_wrap.distributed.context_parallel import CONTEXT_PARALLEL_ATTENTION, register_context_parallel_attention
 from nemo_wrap.distributed.modules import decoder_layers
 from nemo_wrap.distributed.pipeline.runtime import build_runtime
 from nemo_wrap.distributed.pipeline.stage_model import (
     PipelineStageModule,
-    check_family_pipelinable,
     has_tied_embeddings,
     held_parallel_plan,
     keep_stage_modules,
@@ -49,7 +46,7 @@ from nemo_wrap.distributed.pipeline.stage_model import (
 from nemo_wrap.distributed.precision import apply_autocast
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.distributed.sharding import shard_model
-from nemo_wrap.distributed.tensor_parallel import TensorParallelPlan, check_tensor_parallel_supported
+from nemo_wrap.distributed.tensor_parallel import TensorParallelPlan
 from nemo_wrap.errors import (
     AdapterMismatchError,
     MissingWeightsError,
@@ -59,253 +56,269 @@ from nemo_wrap.errors import (
     summarize,
 )
 from nemo_wrap.loading.options import LoadOptions
-from nemo_wrap.loading.plan import LoadPlan, Step
+from nemo_wrap.loading.plan import Adapters, LoadPlan, Step
 from nemo_wrap.loading.provenance import Initialized, LoadReport, Provenance, Tied
 from nemo_wrap.loading.read import checkpoint_blocks, checkpoint_shapes, matches_any, read_into_model
 from nemo_wrap.loading.verify import ChecksumsWhileReading, verify_load
-from nemo_wrap.models.config_checks import (
-    check_config_sizes,
-    check_layer_count,
-    check_size_budget,
-    describe_config,
-)
-from nemo_wrap.models.lora import fused_parts, is_lora_parameter
+from nemo_wrap.models.config_checks import check_size_budget, describe_config
+from nemo_wrap.models.lora import adapter_parallel_entries, fused_parts, is_lora_parameter
 from nemo_wrap.models.lora.dora import initialize_magnitudes
 from nemo_wrap.models.lora.state_dict import AdapterFileAdapter, BaseWeightsAdapter
-from nemo_wrap.models.quantized import check_bitsandbytes_installed, quantize_linear_layers
+from nemo_wrap.models.quantized import QuantizationSettings, check_bitsandbytes_installed, quantize_linear_layers
 from nemo_wrap.models.registry import ModelSource
 from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors, encoded_weights
 
 logger = logging.getLogger("nemo_wrap")
 
 
+@dataclass(frozen=True)
+class CompletedRead:
+    """One file read into the model: what verify re-reads, and what the audit checks of it."""
+
+    checkpoint: Checkpoint
+    adapter: StateDictAdapter  # between the file's keys and the model's tensors
+    of_adapter_file: bool  # the LoRA adapter file (else the base checkpoint)
+    expected_checksums: Mapping[str, int] = field(default_factory=dict)  # verify's, taken while reading
+    unused_keys: tuple[str, ...] = ()  # an adapter file's keys that adapt nothing
+
+
 @dataclass
+class LoadState:
+    """What the executed steps have made so far: one typed value every step receives.
+
+    Every field is valid from the start (a step that did not run leaves it empty), so no step
+    depends on another having set something.
+    """
+
+    model: Any  # the loadable class: a PreTrainedModel with ShardedModelMixin (no one type says both)
+    provenance: dict[str, Provenance] = field(default_factory=dict)
+    used_keys: set[str] = field(default_factory=set)
+    bytes_read: int = 0
+    reads: list[CompletedRead] = field(default_factory=list)
+    adapter_keys: dict[str, str] = field(default_factory=dict)  # our name → PEFT key of the adapter's tensors
+
+
+@dataclass(frozen=True)
 class LoadPipeline:
-    """Executes a plan's steps in order; holds what the steps hand to each other."""
+    """Performs a plan's steps in the plan's order; decides nothing.
+
+    ``checkpoint`` and ``lora`` are what the plan's read and adapter steps read from, opened by the
+    caller (``None``: not given, and then the plan has no such step).
+    """
 
     plan: LoadPlan
     source: ModelSource
     config: PretrainedConfig
-    dtype: torch.dtype
-    setup: DistributedSetup | None
     options: LoadOptions
     checkpoint: Checkpoint | None = None
     lora: LoraRequest | None = None
-    model: Any = None
-    provenance: dict[str, Provenance] = field(default_factory=dict)
-    used_keys: set[str] = field(default_factory=set)
-    bytes_read: int = 0
-    tp_plan: TensorParallelPlan | None = None
-    adapter: StateDictAdapter | None = None  # built once by the read, reused by verify
-    expected_checksums: dict[str, int] = field(default_factory=dict)  # verify's, taken while reading
-    unused_adapter_keys: tuple[str, ...] = ()
-    adapter_keys: dict[str, str] = field(default_factory=dict)  # our name → PEFT key of the adapter's tensors
+
+    @property
+    def setup(self) -> DistributedSetup:
+        return self.plan.setup
 
     @property
     def group(self) -> RankGroup:
-        """Who loads together: every rank for a sharded model, this process alone without a setup."""
-        return RankGroup.of(sharded=self.setup is not None)
+        """Who loads together: every rank of a collective setup, or this process alone."""
+        return self.setup.rank_group()
 
     def run(self) -> PreTrainedModel:
-        self.check_preconditions()
-        steps: dict[Step, Callable[[], None]] = {
-            Step.BUILD_ON_META: self.build_on_meta,
+        self.check_machine()
+        actions = self._actions()
+        state = LoadState(self.build_on_meta())
+        for step in self.plan.steps[1:]:  # the first is always the build
+            actions[step](state)
+        return state.model
+
+    def _actions(self) -> dict[Step, Callable[[LoadState], None]]:
+        """Each step's action, bound to the input it reads (a step whose input was not given has none)."""
+        actions: dict[Step, Callable[[LoadState], None]] = {
             Step.KEEP_STAGE: self.keep_stage,
-            Step.QUANTIZE_LAYERS: self.quantize_layers,
-            Step.ADD_ADAPTERS: self.add_adapters,
             Step.SHARD: self.shard,
             Step.MATERIALIZE: self.materialize,
-            Step.READ_CHECKPOINT: self.read_checkpoint,
             Step.INITIALIZE_REST: self.initialize_rest,
             Step.COMPILE_LAYERS: self.compile_layers,
             Step.AUDIT: self.audit,
         }
-        for step in self.plan.steps:
-            steps[step]()
-        return self.model
+        if self.plan.quantization is not None:
+            actions[Step.QUANTIZE_LAYERS] = partial(self.quantize_layers, self.plan.quantization)
+        if self.lora is not None:
+            actions[Step.ADD_ADAPTERS] = partial(self.add_adapters, self.lora)
+        if self.checkpoint is not None:
+            actions[Step.READ_CHECKPOINT] = partial(self.read_checkpoint, self.checkpoint)
+        return actions
 
-    def check_preconditions(self) -> None:
-        """Local checks every rank makes alike, before any allocation or collective."""
-        if self.setup is not None:
-            self.setup.entry.check_available()
+    def check_machine(self) -> None:
+        """Whether this machine can run the plan (a plan may describe a job for another machine):
+        local checks every rank makes alike, before any allocation or collective."""
+        self.setup.entry.check_available()
         if self.plan.quantization is not None:
             check_bitsandbytes_installed()
-        keys = None if self.checkpoint is None else checkpoint_shapes(self.checkpoint).keys()
-        self.tp_plan = check_loadable(self.source, self.config, self.setup, keys)
         # a lower bound: 4-bit weights take half a byte (a model too large in 16 bits may fit in 4)
-        element_size = 0.5 if self.plan.quantization else torch.empty((), dtype=self.dtype).element_size()
-        shards = 1 if self.setup is None else self.setup.parameter_shards
-        check_size_budget(self.config, element_size, shards, device_memory_bytes(collective_device()))
+        dtype = self.plan.precision.parameter_dtype
+        element_size = 0.5 if self.plan.quantization else torch.empty((), dtype=dtype).element_size()
+        memory = device_memory_bytes(collective_device())
+        check_size_budget(self.config, element_size, self.setup.parameter_shards, memory)
 
-    def build_on_meta(self) -> None:
-        self.model = build_on_meta(loadable_class(self.source), self.config, self.dtype)
-        if self.setup is not None and self.setup.degrees.cp > 1 and not self.source.is_custom:
+    def build_on_meta(self) -> PreTrainedModel:
+        model = build_on_meta(loadable_class(self.source), self.config, self.plan.precision.parameter_dtype)
+        if self.setup.degrees.cp > 1 and not self.source.is_custom:
             register_context_parallel_attention()  # transformers' families attend through the interface
-            self.model.set_attn_implementation(CONTEXT_PARALLEL_ATTENTION)
-        self.model.register_forward_pre_hook(no_cache_while_training, with_kwargs=True)
+            model.set_attn_implementation(CONTEXT_PARALLEL_ATTENTION)
+        model.register_forward_pre_hook(no_cache_while_training, with_kwargs=True)
         # PEFT's own adapters, added after sharding, would be neither sharded nor synced; nor can PEFT
         # wrap our 4-bit layers
-        if self.setup is None and self.plan.quantization is None:
-            expose_projections_to_peft(self.model, self.source)
-        if self.plan.precision is not None:
-            apply_autocast(self.model, self.plan.precision, collective_device().type)
+        if not self.setup.is_collective and self.plan.quantization is None:
+            expose_projections_to_peft(model, self.source)
+        apply_autocast(model, self.plan.precision, collective_device().type)
+        return model
 
-    def keep_stage(self) -> None:
+    def keep_stage(self, state: LoadState) -> None:
         """Keep this rank's stage (see :mod:`nemo_wrap.distributed.pipeline.stage_model`) and create
         the stage's groups (collective); a forward from outside the schedule is refused from now on."""
-        assert self.setup is not None  # the plan keeps a stage only under pipeline parallel
-        mesh = self.setup.device_mesh()
-        layout = dataclasses.replace(
-            self.plan.stages[self.setup.pp_rank()], tied_embeddings=has_tied_embeddings(self.model)
-        )
-        keep_stage_modules(self.model, layout)
-        self.tp_plan = held_parallel_plan(self.model, self.tp_plan)
-        stage = PipelineStageModule(self.model, layout)
-        if self.plan.precision is not None:  # a stage calls its backbone alone: autocast at the stage
-            apply_autocast(stage, self.plan.precision, collective_device().type)
-        self.model.register_forward_pre_hook(refuse_outside_schedule(stage), with_kwargs=True)
-        runtime = build_runtime(
-            stage, self.setup.pipeline.schedule, mesh.mesh, mesh["pp"].get_group(), layout.tied_embeddings
-        )
-        self.model.nemo_state.pipeline = runtime
+        model, mesh = state.model, self.setup.device_mesh()
+        layout = dataclasses.replace(self.plan.stages[self.setup.pp_rank()], tied_embeddings=has_tied_embeddings(model))
+        keep_stage_modules(model, layout)
+        stage = PipelineStageModule(model, layout)
+        apply_autocast(stage, self.plan.precision, collective_device().type)  # a stage calls its backbone alone
+        model.register_forward_pre_hook(refuse_outside_schedule(stage), with_kwargs=True)
+        pp_group, schedule = mesh["pp"].get_group(), self.setup.pipeline.schedule
+        model.nemo_state.pipeline = build_runtime(stage, schedule, mesh.mesh, pp_group, layout.tied_embeddings)
 
-    def quantize_layers(self) -> None:
-        assert self.plan.quantization is not None  # the plan quantizes only when asked to
-        fused = fused_parts(self.model, self.source.spec.adapter(self.model))
-        quantize_linear_layers(self.model, self.plan.quantization, fused, self.dtype)
+    def quantize_layers(self, settings: QuantizationSettings, state: LoadState) -> None:
+        fused = fused_parts(state.model, self.source.spec.adapter(state.model))
+        quantize_linear_layers(state.model, settings, fused, self.plan.precision.parameter_dtype)
 
-    def add_adapters(self) -> None:
-        assert self.lora is not None  # the plan adds adapters only when LoRA was asked for
+    def add_adapters(self, lora: LoraRequest, state: LoadState) -> None:
         base_name = str(self.checkpoint.directory) if self.checkpoint is not None else ""
-        self.model.nemo_state.lora_config, entries = add_adapters(self.model, self.source, self.lora, base_name)
-        self.adapter_keys = adapter_keys(self.model, self.source, self.lora.config)
-        if self.tp_plan is not None:  # the adapters are sharded with the plan, so they join it
-            self.tp_plan = {**self.tp_plan, **entries}
+        state.model.nemo_state.lora_config = add_adapters(state.model, self.source, lora, base_name)
+        state.adapter_keys = adapter_keys(state.model, self.source, lora.config)
 
-    def shard(self) -> None:
-        assert self.setup is not None  # the plan has a shard step only with a setup
-        state = self.model.nemo_state
-        stage = None if state.pipeline is None else state.pipeline.module  # the stage's FSDP root
-        self.model = shard_model(
-            self.model, self.setup, self.tp_plan, self.plan.precision, root=stage, experts=self.plan.experts
+    def shard(self, state: LoadState) -> None:
+        model_state = state.model.nemo_state
+        stage = None if model_state.pipeline is None else model_state.pipeline.module  # the stage's FSDP root
+        tp_plan = self._tensor_parallel_plan(state.model)
+        state.model = shard_model(
+            state.model, self.setup, tp_plan, self.plan.precision, root=stage, experts=self.plan.experts
         )
-        state.setup = self.setup
+        model_state.setup = self.setup
 
-    def compile_layers(self) -> None:
-        for layer in decoder_layers(self.model):
+    def _tensor_parallel_plan(self, model: PreTrainedModel) -> TensorParallelPlan | None:
+        """The plan's, less the modules another pipeline stage holds, plus the LoRA adapters'
+        entries (adapters are sharded with their layers)."""
+        plan = self.plan.tp_plan
+        if plan is None:
+            return None
+        held = held_parallel_plan(model, plan) if self.plan.stages else plan
+        return {**(held or {}), **adapter_parallel_entries(model)}
+
+    def compile_layers(self, state: LoadState) -> None:
+        for layer in decoder_layers(state.model):
             layer.compile()  # in place, so the layer stays in the model, its hooks and its state dict
 
-    def materialize(self) -> None:
-        materialize(self.model, collective_device())
+    def materialize(self, state: LoadState) -> None:
+        materialize(state.model, collective_device())
 
-    def read_checkpoint(self) -> None:
-        assert self.checkpoint is not None  # the plan reads only when there is a checkpoint
-        checkpoint = self.checkpoint
-        adapter = self.source.spec.adapter(self.model, checkpoint_shapes(checkpoint))
-        adapter = self.adapter = adapter if self.lora is None else BaseWeightsAdapter(adapter)
+    def read_checkpoint(self, checkpoint: Checkpoint, state: LoadState) -> None:
+        model = state.model
+        adapter = self.source.spec.adapter(model, checkpoint_shapes(checkpoint))
+        adapter = adapter if self.lora is None else BaseWeightsAdapter(adapter)
+        same_tensors = self.same_tensors_group(model)
 
-        def read() -> tuple[dict[str, Provenance], set[str], int]:
+        def read() -> tuple[dict[str, Provenance], set[str], int, dict[str, int]]:
             with BlockReader() as reader:
                 witness = None
                 if self.options.verify:
                     rereads = checkpoint_blocks(checkpoint, reader, second_read=True)
-                    witness = ChecksumsWhileReading(adapter, rereads, self.same_tensors_group)
-                show = self.group.is_writer
-                provenance, used = read_into_model(self.model, checkpoint, reader, adapter, show, witness)
-                self.expected_checksums = witness.expected if witness is not None else {}
-                return provenance, used, sum(reader.bytes_read.values())
+                    witness = ChecksumsWhileReading(adapter, rereads, same_tensors)
+                provenance, used = read_into_model(model, checkpoint, reader, adapter, self.group.is_writer, witness)
+                expected = witness.expected if witness is not None else {}
+                return provenance, used, sum(reader.bytes_read.values()), expected
 
-        self.provenance, self.used_keys, self.bytes_read = self.group.on_every_rank("reading the checkpoint", read)
-        if encoded_weights(self.model):  # after every rank's read succeeded: it may be collective
-            self.group.on_every_rank("finishing the 4-bit statistics", self.finish_encodings)
-        if self.lora is not None and self.lora.adapter_file is not None:
-            self.read_adapter(self.lora.adapter_file)
-
-    def finish_encodings(self) -> None:
-        for layer in encoded_weights(self.model).values():  # the same order on every rank
-            layer.finish_encoding()
-
-    def read_adapter(self, adapter_file: Checkpoint) -> None:
-        show = self.group.is_writer
-        provenance, used, read = self.group.on_every_rank(
-            "reading the adapter", lambda: read_adapter_file(self.model, adapter_file, self.adapter_keys, show)
+        provenance, state.used_keys, state.bytes_read, expected = self.group.on_every_rank(
+            "reading the checkpoint", read
         )
-        self.provenance.update(provenance)
-        self.bytes_read += read
-        self.unused_adapter_keys = tuple(sorted(set(adapter_file.entries) - used))
+        state.provenance.update(provenance)
+        state.reads.append(CompletedRead(checkpoint, adapter, of_adapter_file=False, expected_checksums=expected))
+        if encoded_weights(model):  # after every rank's read succeeded: it may be collective
+            self.group.on_every_rank("finishing the 4-bit statistics", lambda: finish_encodings(model))
+        if self.lora is not None and self.lora.adapter_file is not None:
+            self.read_adapter(self.lora.adapter_file, state)
 
-    def initialize_rest(self) -> None:
-        loaded = _tensor_names(self.model, [n for n, p in self.provenance.items() if p.kind in ("checkpoint", "tied")])
-        self.model.initialize_weights(loaded_names=loaded, seed=agree_on_seed(self.options.seed, self.setup))
-        rule = f"{type(self.model).__mro__[0].__name__}._init_weights (seeded, shard-aware)"
-        allowed_missing = getattr(self.model, "_keys_to_ignore_on_load_missing", None)
-        distinct, tied = checkpoint_tensors(self.model)
+    def read_adapter(self, adapter_file: Checkpoint, state: LoadState) -> None:
+        show, keys = self.group.is_writer, state.adapter_keys
+        provenance, used, read = self.group.on_every_rank(
+            "reading the adapter", lambda: read_adapter_file(state.model, adapter_file, keys, show)
+        )
+        state.provenance.update(provenance)
+        state.bytes_read += read
+        unused = tuple(sorted(set(adapter_file.entries) - used))
+        state.reads.append(CompletedRead(adapter_file, AdapterFileAdapter(keys), True, unused_keys=unused))
+
+    def initialize_rest(self, state: LoadState) -> None:
+        model, provenance = state.model, state.provenance
+        loaded = _tensor_names(model, [n for n, p in provenance.items() if p.kind in ("checkpoint", "tied")])
+        model.initialize_weights(loaded_names=loaded, seed=agree_on_seed(self.options.seed, self.setup))
+        rule = f"{type(model).__mro__[0].__name__}._init_weights (seeded, shard-aware)"
+        allowed_missing = getattr(model, "_keys_to_ignore_on_load_missing", None)
+        distinct, tied = checkpoint_tensors(model)
         for target, source in tied.items():
-            self.provenance.setdefault(target, Tied(source))
-        if self.lora is not None and self.lora.adapter_file is None:
-            new_adapter_provenance(self.provenance, list(distinct))
-            initialize_magnitudes(self.model)  # DoRA: the row norms of the weights just read
+            provenance.setdefault(target, Tied(source))
+        if self.plan.adapters is Adapters.NEW:
+            new_adapter_provenance(provenance, list(distinct))
+            initialize_magnitudes(model)  # DoRA: the row norms of the weights just read
         for name in distinct:
-            current = self.provenance.get(name)
+            current = provenance.get(name)
             if current is None:
-                self.provenance[name] = Initialized(rule, "no checkpoint given")
+                provenance[name] = Initialized(rule, "no checkpoint given")
             elif current.kind == "missing" and not self.options.strict:
-                self.provenance[name] = Initialized(rule, "absent from the checkpoint, allowed by strict=False")
+                provenance[name] = Initialized(rule, "absent from the checkpoint, allowed by strict=False")
             elif current.kind == "missing" and matches_any(name, allowed_missing):
                 why = "absent from the checkpoint, allowed by the class's _keys_to_ignore_on_load_missing"
-                self.provenance[name] = Initialized(rule, why)
+                provenance[name] = Initialized(rule, why)
 
-    @property
-    def same_tensors_group(self) -> RankGroup:
+    def same_tensors_group(self, model: Any) -> RankGroup:
         """The ranks holding the same tensor names as this one: the job, or this pipeline stage's ranks."""
-        pipeline = self.model.nemo_state.pipeline
+        pipeline = model.nemo_state.pipeline
         return self.group if pipeline is None else RankGroup.of_ranks(pipeline.stage_group)
 
-    def audit(self) -> None:
-        report = LoadReport(self.plan, self.provenance, self._unexpected_keys(), self.bytes_read)
-        self.model.nemo_state.load_report = report
-        if self.options.verify and self.checkpoint is not None and self.adapter is not None:
-            self.group.on_every_rank("verifying the load", self._verify)
+    def audit(self, state: LoadState) -> None:
+        report = LoadReport(self.plan, state.provenance, self._unexpected_keys(state), state.bytes_read)
+        state.model.nemo_state.load_report = report
+        if self.options.verify and state.reads:
+            self.group.on_every_rank("verifying the load", lambda: self._verify(state))
             report.verified = True
-        self._raise_if_incomplete(report)
+        self._raise_if_incomplete(report, state)
         if self.group.is_writer:
             logger.info("%s", report.summary())
 
-    def _verify(self) -> None:
-        assert self.checkpoint is not None and self.adapter is not None  # audit verifies a read only
-        distinct, _ = checkpoint_tensors(self.model)
-        from_file = self.lora is not None and self.lora.adapter_file is not None
-        in_adapter = set(self.adapter_keys) if from_file else {name for name in distinct if is_lora_parameter(name)}
-        base = {name: t for name, t in distinct.items() if name not in in_adapter}
-        group = self.same_tensors_group
-        encoded = encoded_weights(self.model)
-        verify_load(base, self.provenance, self.adapter, self.checkpoint, group, encoded, self.expected_checksums)
-        if self.lora is not None and self.lora.adapter_file is not None:
-            adapter = {name: t for name, t in distinct.items() if name in in_adapter}
-            file_view = AdapterFileAdapter(self.adapter_keys)
-            verify_load(adapter, self.provenance, file_view, self.lora.adapter_file, group)
+    def _verify(self, state: LoadState) -> None:
+        """Each read's tensors against its file: the adapter file's are its keys', the base's the rest."""
+        model = state.model
+        distinct, _ = checkpoint_tensors(model)
+        from_file = any(read.of_adapter_file for read in state.reads)
+        in_adapter = set(state.adapter_keys) if from_file else {name for name in distinct if is_lora_parameter(name)}
+        group = self.same_tensors_group(model)
+        for read in state.reads:
+            tensors = {name: t for name, t in distinct.items() if (name in in_adapter) == read.of_adapter_file}
+            encoded = {} if read.of_adapter_file else encoded_weights(model)
+            verify_load(
+                tensors, state.provenance, read.adapter, read.checkpoint, group, encoded, read.expected_checksums
+            )
 
-    def _across_stages(self, names: Collection[str]) -> set[str]:
-        """The union of ``names`` over every pipeline stage (this rank's alone without pipeline)."""
-        if self.model.nemo_state.pipeline is None:
-            return set(names)
-        everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(everyone, sorted(names))
-        return {name for part in everyone for name in part}
-
-    def _unexpected_keys(self) -> tuple[str, ...]:
-        """Checkpoint keys no rank (no pipeline stage) read."""
+    def _unexpected_keys(self, state: LoadState) -> tuple[str, ...]:
+        """Base-checkpoint keys no rank (no pipeline stage) read."""
         if self.checkpoint is None:
             return ()
         available = set(self.checkpoint.entries) | set(self.checkpoint.pickle_tensors or {})
-        ignored = getattr(self.model, "_keys_to_ignore_on_load_unexpected", None)
-        used = self._across_stages(self.used_keys)
+        ignored = getattr(state.model, "_keys_to_ignore_on_load_unexpected", None)
+        used = _across_stages(state.model, state.used_keys)
         return tuple(sorted(k for k in available - used if not matches_any(k, ignored)))
 
-    def _raise_if_incomplete(self, report: LoadReport) -> None:
+    def _raise_if_incomplete(self, report: LoadReport, state: LoadState) -> None:
         where = self.checkpoint.directory if self.checkpoint is not None else "from_config"
-        missing = sorted(self._across_stages(report.names("missing")))  # every stage raises alike
-        quantized = [name for name in missing if name in encoded_weights(self.model)]
+        missing = sorted(_across_stages(state.model, report.names("missing")))  # every stage raises alike
+        quantized = [name for name in missing if name in encoded_weights(state.model)]
         if quantized:
             raise MissingWeightsError(
                 f"{where}: {len(quantized)} weight(s) of 4-bit layers are not in the checkpoint, and a 4-bit layer "
@@ -322,48 +335,27 @@ class LoadPipeline:
                 f"{where}: {len(report.unexpected_keys)} checkpoint tensor(s) fill no parameter of "
                 f"{self.plan.model_class} (pass strict=False to ignore them): {summarize(report.unexpected_keys)}"
             )
-        if (
-            self.unused_adapter_keys
-            and self.options.strict
-            and self.lora is not None
-            and self.lora.adapter_file is not None
-        ):
-            raise AdapterMismatchError(
-                f"{self.lora.adapter_file.directory}: {len(self.unused_adapter_keys)} adapter tensor(s) adapt nothing "
-                f"in {self.plan.model_class} (pass strict=False to ignore them): {summarize(self.unused_adapter_keys)}"
-            )
+        for read in state.reads:
+            if read.unused_keys and self.options.strict:
+                raise AdapterMismatchError(
+                    f"{read.checkpoint.directory}: {len(read.unused_keys)} adapter tensor(s) adapt nothing in "
+                    f"{self.plan.model_class} (pass strict=False to ignore them): {summarize(read.unused_keys)}"
+                )
 
 
-def check_loadable(
-    source: ModelSource,
-    config: PretrainedConfig,
-    setup: DistributedSetup | None,
-    checkpoint_keys: Collection[str] | None,
-) -> TensorParallelPlan | None:
-    """What a load would refuse before reading any weight, and the tensor-parallel plan it would apply.
+def finish_encodings(model: PreTrainedModel) -> None:
+    """Let every 4-bit layer finish its statistics (collective where they span ranks)."""
+    for layer in encoded_weights(model).values():  # the same order on every rank
+        layer.finish_encoding()
 
-    Pure and local: ``plan()`` runs it too, so a dry run refuses exactly what the load refuses, with
-    the same error. (Whether the strategy can run on this machine is the load's check alone: a plan
-    may describe a job for another machine.)
-    """
-    check_config_sizes(config)
-    if setup is not None:
-        setup.check_buildable()
-    if checkpoint_keys is not None:
-        check_layer_count(config, loadable_class(source), checkpoint_keys)
-        source.spec.check_checkpoint_keys(source.architecture, config.model_type)
-    if setup is not None and setup.degrees.pp > 1:
-        check_family_pipelinable(config.model_type, source.model_class.__name__)
-    if setup is not None and setup.degrees.cp > 1:
-        check_context_parallel_supported(config, source.is_custom, source.model_class.__name__, setup.degrees.pp)
-    experts = None if setup is None else expert_layout(config, source.model_class, setup.degrees)
-    if setup is None or not setup.uses_tensor_parallel:
-        return None
-    plan = source.spec.parallel_plan()
-    if plan is not None and experts is not None:  # experts are whole under expert parallel
-        plan = experts.without_expert_entries(plan)
-    check_tensor_parallel_supported(plan, config, setup.tp_size, source.model_class.__name__)
-    return plan
+
+def _across_stages(model: Any, names: Collection[str]) -> set[str]:
+    """The union of ``names`` over every pipeline stage (this rank's alone without pipeline)."""
+    if model.nemo_state.pipeline is None:
+        return set(names)
+    everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, sorted(names))
+    return {name for part in everyone for name in part}
 
 
 def _tensor_names(model: PreTrainedModel, names: list[str]) -> set[str]:
@@ -401,7 +393,7 @@ def materialize(model: PreTrainedModel, device: torch.device) -> None:
     model.tie_weights()
 
 
-def agree_on_seed(seed: int | None, setup: DistributedSetup | None) -> int:
+def agree_on_seed(seed: int | None, setup: DistributedSetup) -> int:
     """An explicit seed, else rank 0's ``torch.initial_seed()`` shared with every rank.
 
     Unseeded processes draw different initial seeds; shards initialized from different seeds would
@@ -409,7 +401,7 @@ def agree_on_seed(seed: int | None, setup: DistributedSetup | None) -> int:
     """
     if seed is not None:
         return seed
-    if setup is None or not dist.is_initialized():
+    if not setup.rank_group().collective:
         return torch.initial_seed()
     agreed = [torch.initial_seed()]
     dist.broadcast_object_list(agreed, src=0)

@@ -10,7 +10,7 @@ attribute replaces names attached from outside and read back with ``getattr``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from peft import LoraConfig
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class ModelState:
     """Filled in by the load pipeline, step by step; ``None`` where a step did not apply."""
 
-    setup: DistributedSetup | None = None  # None: a process-local model
+    setup: DistributedSetup = field(default_factory=DistributedSetup.single_process)
     load_report: LoadReport | None = None
     lora_config: LoraConfig | None = None  # the adapters' config, as PEFT saves it
     pipeline: PipelineRuntime | None = None  # this rank's pipeline stage; None: the whole model is here
@@ -39,9 +39,9 @@ class HasModelState(Protocol):
     nemo_state: ModelState
 
 
-def setup_of(model: object) -> DistributedSetup | None:
-    """The setup ``model`` was sharded with by nemo_wrap; None for any other model."""
-    return model.nemo_state.setup if isinstance(model, HasModelState) else None
+def setup_of(model: object) -> DistributedSetup:
+    """The setup ``model`` was sharded with by nemo_wrap; a single process's for any other model."""
+    return model.nemo_state.setup if isinstance(model, HasModelState) else DistributedSetup.single_process()
 
 
 def pipeline_of(model: object) -> PipelineRuntime | None:

@@ -92,7 +92,7 @@ def default_parameter_dtype(stored: torch.dtype, fast: frozenset[torch.dtype], d
 def precision_plan(
     precision: str | None,
     dtype: torch.dtype,
-    strategy: str | None,
+    strategy: str,
     dp_size: int,
     options: Any = None,
     dtype_reason: str = "the dtype",
@@ -106,7 +106,7 @@ def precision_plan(
     :class:`InvalidSetupError` here, so ``plan()`` refuses it as the load would.
     """
     _require_known(precision)
-    with_precision = None if strategy is None or dp_size == 1 else strategy_entry(strategy).mixed_precision_options
+    with_precision = None if dp_size == 1 else strategy_entry(strategy).mixed_precision_options
     if precision is None:
         compute, reduce = getattr(options, "param_dtype", None), getattr(options, "reduce_dtype", None)
         if with_precision is not None and (compute or reduce):

@@ -16,9 +16,11 @@ from typing import Any, Literal
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.distributed.degrees import ParallelDegrees, derive_degrees, describe_mesh
 from nemo_wrap.distributed.pipeline.layout import PipelineOptions
 from nemo_wrap.distributed.strategies import StrategyEntry, strategy_entry
+from nemo_wrap.distributed.strategies.registry import SINGLE_PROCESS, NoOptions
 from nemo_wrap.errors import DistributedStateError, InvalidSetupError, UnsupportedSetupError
 
 # The built-in strategies' names, for type checkers; registered strategies are accepted too.
@@ -43,7 +45,9 @@ def _build_options(entry: StrategyEntry, options: dict[str, Any]) -> Any:
 class DistributedSetup:
     """How to parallelize: the strategy, the world it runs on, and the degree of each parallelism.
 
-    Build it with :meth:`build`, which validates every argument before any collective runs.
+    Build it with :meth:`build`, which validates every argument before any collective runs. A
+    world of one is a setup too (:meth:`single_process`): the code below the public API never
+    asks whether there is a setup, only what it says.
     """
 
     strategy: str
@@ -79,6 +83,11 @@ class DistributedSetup:
             entry = strategy_entry(strategy)
         except InvalidSetupError as error:
             raise InvalidSetupError(f"DistributedSetup.build: {error}") from None
+        if not entry.collective:
+            raise InvalidSetupError(
+                f"DistributedSetup.build: strategy={strategy!r} is no strategy to build: pass "
+                "distributed_setup=None (or DistributedSetup.single_process()) for one process"
+            )
         given = {"tp_size": tp_size, "cp_size": cp_size, "pp_size": pp_size, "ep_size": ep_size}
         given["dp_replicate_size"] = dp_replicate_size
         degrees = derive_degrees(world_size, given, entry.degrees, entry.name)
@@ -87,11 +96,33 @@ class DistributedSetup:
         pipeline.check(degrees.pp)
         return cls(entry.name, degrees, _build_options(entry, options), pipeline)
 
+    @classmethod
+    def single_process(cls) -> DistributedSetup:
+        """This process alone: the whole model here, no mesh, no collective, whatever process group
+        exists (so rank 0 may load, evaluate and save a model by itself while the others wait)."""
+        return cls(SINGLE_PROCESS.name, ParallelDegrees(dp_shard=1), NoOptions())
+
+    @classmethod
+    def given(cls, distributed_setup: DistributedSetup | None) -> DistributedSetup:
+        """The public keyword's value as a setup: ``None`` means :meth:`single_process`. The one
+        place that ``None`` is read; everything below takes the setup this returns."""
+        return cls.single_process() if distributed_setup is None else distributed_setup
+
     # -- derived facts ------------------------------------------------------------------------
     @property
     def entry(self) -> StrategyEntry:
         """The strategy's registry entry: every strategy-specific fact comes from it."""
         return strategy_entry(self.strategy)
+
+    @property
+    def is_collective(self) -> bool:
+        """Whether its model acts with other ranks: loads, saves and steps are collective (every
+        strategy but the single process's, even on a world of one rank)."""
+        return self.entry.collective
+
+    def rank_group(self) -> RankGroup:
+        """Who acts together on its model: every rank of the job, or this process alone."""
+        return RankGroup.job() if self.is_collective else RankGroup.local()
 
     @property
     def world_size(self) -> int:

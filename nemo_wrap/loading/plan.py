@@ -1,5 +1,8 @@
 """The load plan: every loading decision, computed once by one pure function, printed in the audit.
 
+The decision itself is :func:`nemo_wrap.loading.resolve.resolve_load_plan`; this module holds what
+it decides (:class:`LoadPlan`, frozen data) and the one renderer that writes it in words.
+
 The defect this replaces: a "load before shard" branch keyed on "is the model on meta?" whose
 else-branch assumed the weights had come with the build, so models built on a real device under
 DDP and Megatron-FSDP trained from random weights without a word. Here no branch asks the model
@@ -17,18 +20,15 @@ and shards afterwards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from nemo_wrap.distributed.expert_parallel import ExpertLayout
 from nemo_wrap.distributed.pipeline import StageLayout
 from nemo_wrap.distributed.precision import PrecisionPlan
 from nemo_wrap.distributed.setup import DistributedSetup
-from nemo_wrap.errors import InvalidSetupError
-from nemo_wrap.loading.options import LoadOptions
-from nemo_wrap.models.quantized.settings import QuantizationSettings, check_composes, quantization_settings
-
-_DEFAULT_OPTIONS = LoadOptions()
+from nemo_wrap.distributed.tensor_parallel import TensorParallelPlan
+from nemo_wrap.models.quantized.settings import QuantizationSettings
 
 
 class Step(str, Enum):
@@ -44,29 +44,47 @@ class Step(str, Enum):
     AUDIT = "audit every parameter's provenance"
 
 
+class Adapters(str, Enum):
+    """The LoRA adapters a load adds."""
+
+    NEW = "new"  # initialized as PEFT does (peft_config)
+    FILE = "file"  # read from a PEFT adapter directory (adapter)
+
+
 @dataclass(frozen=True)
 class LoadPlan:
     """What will happen, in order, and why. Pure data: printable without a process group.
 
-    Every sentence it prints is derived from these fields.
+    Every sentence it prints is derived from these fields (:func:`render_plan`). ``tp_plan`` is the
+    tensor-parallel plan the shard step applies (``None``: no tensor parallel); its styles compare
+    by identity, so it takes no part in comparing plans (the setup and the model class decide it).
     """
 
     model_class: str
     is_custom: bool
     source_reason: str
-    strategy: str | None  # None: one process, no sharding
-    world_size: int
-    tp_size: int
+    setup: DistributedSetup
     has_checkpoint: bool
     steps: tuple[Step, ...]
+    precision: PrecisionPlan
     key_mapping: str = "transformers' keys as they are"
-    adapters: str | None = None  # None: no LoRA; "new": initialized; "file": read from an adapter directory
-    precision: PrecisionPlan | None = None  # None: a plan made without one (tests of the step logic)
-    mesh: str | None = None  # the setup's mesh, e.g. "dp_replicate=2, dp_shard=2, tp=2"
-    parallelism: tuple[str, ...] = ()  # what each degree beyond plain data parallel does, one line each
+    adapters: Adapters | None = None  # None: no LoRA
     stages: tuple[StageLayout, ...] = ()  # pipeline stages (none without pipeline parallel)
     experts: ExpertLayout | None = None  # which experts each rank holds (None: no expert parallel)
     quantization: QuantizationSettings | None = None  # None: every weight in its dtype
+    tp_plan: TensorParallelPlan | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def strategy(self) -> str:
+        return self.setup.strategy
+
+    @property
+    def world_size(self) -> int:
+        return self.setup.world_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.setup.tp_size
 
     @property
     def init_device(self) -> str:
@@ -107,121 +125,43 @@ class LoadPlan:
 
     @property
     def shard_reason(self) -> str:
-        if self.strategy is None:
+        if not self.setup.is_collective:
             return "none"
         if self.shards_before_materializing:
             return f"{self.strategy} shards the meta model first, so each rank allocates only its own shards"
         return f"{self.strategy} needs real full weights: shard after they are in place"
 
     def __str__(self) -> str:
-        where = (
-            "one process"
-            if self.strategy is None
-            else f"{self.strategy} on {self.world_size} rank(s), tp={self.tp_size}, mesh ({self.mesh})"
-        )
-        kind = "custom" if self.is_custom else "transformers"
-        arrive = "yes" if self.weights_arrive_with_build else "no"
-        lines = [
-            f"load plan: {self.model_class} ({kind}: {self.source_reason}), {where}",
-            f"  weights arrive with the build: {arrive} (built on {self.init_device})",
-        ]
-        lines += [f"  {number}. {step.value}" for number, step in enumerate(self.steps, 1)]
-        lines.append(f"  checkpoint: {self.read_scope}")
-        if self.has_checkpoint:
-            lines.append(f"  keys: {self.key_mapping}")
-        lines.append(f"  initialize: {self.initialize_scope}")
-        if self.quantization is not None:
-            lines.append(f"  quantization: {self.quantization}")
-        if self.adapters is not None:
-            how = "read from the adapter directory" if self.adapters == "file" else "new, initialized as PEFT does"
-            dtype = " (float32 beside the 4-bit layers, as PEFT keeps them)" if self.quantization else ""
-            lines.append(f"  LoRA adapters: {how}{dtype}; only they are trainable")
-        if self.strategy is not None:
-            lines.append(f"  sharding: {self.shard_reason}")
-        lines += [f"  parallelism: {line}" for line in self.parallelism]
-        lines += [f"  pipeline {stage.describe()}" for stage in self.stages]
-        lines += [f"  experts: {line}" for line in (self.experts.describe() if self.experts else [])]
-        if self.precision is not None:
-            lines.append(f"  precision: {self.precision}")
-        return "\n".join(lines)
+        return render_plan(self)
 
 
-def make_load_plan(
-    model_class: str,
-    is_custom: bool,
-    source_reason: str,
-    setup: DistributedSetup | None,
-    has_checkpoint: bool,
-    options: LoadOptions = _DEFAULT_OPTIONS,
-    key_mapping: str = "transformers' keys as they are",
-    precision: PrecisionPlan | None = None,
-    stages: tuple[StageLayout, ...] = (),
-    experts: ExpertLayout | None = None,
-) -> LoadPlan:
-    """The one place loading is decided. Pure: no I/O, no process group; strategy facts come from
-    the strategy registry (static data). ``options`` says whether LoRA adapters are added (new or
-    from a file) and whether each decoder layer is compiled once the model is complete; ``stages``
-    are the pipeline stages' layouts (:func:`~nemo_wrap.distributed.pipeline.stage_layouts`),
-    ``experts`` the expert-parallel layout (:func:`~nemo_wrap.distributed.expert_parallel.expert_layout`).
-    """
-    tp_size = 1 if setup is None else setup.tp_size
-    _check_compile(options.compile, tp_size)
-    quantization = None
-    if options.quantization_config is not None:
-        quantization = quantization_settings(options.quantization_config)
-        check_composes(setup, options.precision, options.compile, has_checkpoint)
-    # tensor parallel always shards the meta model (each rank reads only its slices), whatever
-    # the strategy that replicates or shards the result over dp needs on its own
-    shard_first = setup is not None and (setup.entry.shards_on_meta or tp_size > 1)
-    steps = _ordered_steps(setup is not None, shard_first, has_checkpoint, options, bool(stages))
-    return LoadPlan(
-        model_class,
-        is_custom,
-        source_reason,
-        None if setup is None else setup.strategy,
-        1 if setup is None else setup.world_size,
-        tp_size,
-        has_checkpoint,
-        steps,
-        key_mapping,
-        options.adapters,
-        precision,
-        None if setup is None else setup.mesh_summary(),
-        () if setup is None else tuple(setup.describe_degrees()),
-        stages,
-        experts,
-        quantization,
-    )
-
-
-def _ordered_steps(
-    sharded: bool, shard_first: bool, has_checkpoint: bool, options: LoadOptions, pipelined: bool
-) -> tuple[Step, ...]:
-    """The steps in the order they run (see the module doc for why this order)."""
-    steps = [Step.BUILD_ON_META]
-    if pipelined:  # before adapters and sharding: both then see only the stage's own modules
-        steps.append(Step.KEEP_STAGE)
-    if options.quantization_config is not None:  # before adapters (they adapt the 4-bit layers) and sharding
-        steps.append(Step.QUANTIZE_LAYERS)
-    if options.adapters is not None:  # before sharding, so the adapters are sharded with their layers
-        steps.append(Step.ADD_ADAPTERS)
-    steps += [Step.SHARD, Step.MATERIALIZE] if shard_first else [Step.MATERIALIZE]
-    if has_checkpoint:
-        steps.append(Step.READ_CHECKPOINT)
-    steps.append(Step.INITIALIZE_REST)
-    if sharded and not shard_first:
-        steps.append(Step.SHARD)
-    if options.compile:
-        steps.append(Step.COMPILE_LAYERS)
-    steps.append(Step.AUDIT)
-    return tuple(steps)
-
-
-def _check_compile(compile_layers: bool, tp_size: int) -> None:
-    """Compiled layers are refused with tensor parallel: on torch 2.13 a compiled layer of DTensors
-    hands plain-tensor gradients to DTensor's redistribute backward, which fails (measured on gloo)."""
-    if compile_layers and tp_size > 1:
-        raise InvalidSetupError(
-            f"compile=True with tp_size={tp_size}: compiled decoder layers do not compose with tensor "
-            "parallel on this torch (DTensor's backward receives plain tensors); use compile=False or tp_size=1"
-        )
+def render_plan(plan: LoadPlan) -> str:
+    """The plan in words, one fact a line: what ``print(plan)`` and the CLI's ``--plan`` show."""
+    setup = plan.setup
+    where = "one process"
+    if setup.is_collective:
+        where = f"{plan.strategy} on {plan.world_size} rank(s), tp={plan.tp_size}, mesh ({setup.mesh_summary()})"
+    kind = "custom" if plan.is_custom else "transformers"
+    arrive = "yes" if plan.weights_arrive_with_build else "no"
+    lines = [
+        f"load plan: {plan.model_class} ({kind}: {plan.source_reason}), {where}",
+        f"  weights arrive with the build: {arrive} (built on {plan.init_device})",
+    ]
+    lines += [f"  {number}. {step.value}" for number, step in enumerate(plan.steps, 1)]
+    lines.append(f"  checkpoint: {plan.read_scope}")
+    if plan.has_checkpoint:
+        lines.append(f"  keys: {plan.key_mapping}")
+    lines.append(f"  initialize: {plan.initialize_scope}")
+    if plan.quantization is not None:
+        lines.append(f"  quantization: {plan.quantization}")
+    if plan.adapters is not None:
+        how = "read from the adapter directory" if plan.adapters is Adapters.FILE else "new, initialized as PEFT does"
+        dtype = " (float32 beside the 4-bit layers, as PEFT keeps them)" if plan.quantization else ""
+        lines.append(f"  LoRA adapters: {how}{dtype}; only they are trainable")
+    if setup.is_collective:
+        lines.append(f"  sharding: {plan.shard_reason}")
+        lines += [f"  parallelism: {line}" for line in setup.describe_degrees()]
+    lines += [f"  pipeline {stage.describe()}" for stage in plan.stages]
+    lines += [f"  experts: {line}" for line in (plan.experts.describe() if plan.experts else [])]
+    lines.append(f"  precision: {plan.precision}")
+    return "\n".join(lines)

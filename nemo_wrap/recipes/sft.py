@@ -177,11 +177,11 @@ def _step_function(
     if settings is None:
         return lambda micro_batches: train_step(model, optimizer, micro_batches, max_grad_norm=config.max_grad_norm)
     # Plain DDP wraps only modules that train: a frozen teacher is held whole on each rank instead.
-    replicated = setup.strategy == "ddp" and not setup.uses_tensor_parallel
+    whole = not setup.entry.shards_frozen_models and not setup.uses_tensor_parallel
     teacher = freeze_teacher(
         NeMoAutoModelForCausalLM.from_pretrained(
             settings.teacher,
-            distributed_setup=None if replicated else setup,
+            distributed_setup=DistributedSetup.single_process() if whole else setup,
             options=LoadOptions(precision=config.load.precision),
         )
     )

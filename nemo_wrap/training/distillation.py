@@ -119,7 +119,7 @@ def distillation_step(
     check_kd_arguments(kd_ratio, temperature)
     _check_supported(student, teacher)
     setup = setup_of(student)
-    group = None if setup is None else setup.dp_group()  # the label tokens are counted over dp
+    group = setup.dp_group()  # the label tokens are counted over dp
     dp_size = 1 if group is None else dist.get_world_size(group)
     label_tokens = global_label_tokens(micro_batches, group, "distillation_step")
     teacher.eval()
@@ -165,19 +165,18 @@ def _check_supported(student: nn.Module, teacher: nn.Module) -> None:
     """Refuse, before any collective, a pipelined or context-parallel model, a teacher under DDP's
     ``replicate`` and a vocabulary mismatch."""
     for role, model in (("student", student), ("teacher", teacher)):
-        setup = setup_of(model)
-        degrees = None if setup is None else setup.degrees
-        if degrees is not None and (degrees.pp > 1 or degrees.cp > 1):
+        degrees = setup_of(model).degrees
+        if degrees.pp > 1 or degrees.cp > 1:
             raise UnsupportedSetupError(
                 f"distillation_step: the {role} is sharded with pp_size={degrees.pp}, cp_size={degrees.cp}; "
                 "the KD loss needs each row's whole logits on its rank: use pp_size=1 and cp_size=1"
             )
     teacher_setup = setup_of(teacher)
-    if teacher_setup is not None and teacher_setup.strategy == "ddp" and teacher_setup.tp_size == 1:
+    if not teacher_setup.entry.shards_frozen_models and not teacher_setup.uses_tensor_parallel:
         raise UnsupportedSetupError(
-            "distillation_step: the teacher is replicated by DDP (strategy 'ddp'), whose first forward wants "
-            "parameters that take gradients; a teacher takes none, and under DDP every rank holds the whole "
-            "model anyway: load the teacher with distributed_setup=None"
+            f"distillation_step: the teacher is replicated by {teacher_setup.strategy.upper()} (strategy "
+            f"{teacher_setup.strategy!r}), whose first forward wants parameters that take gradients; a teacher takes "
+            "none, and there every rank holds the whole model anyway: load the teacher with distributed_setup=None"
         )
     student_vocab, teacher_vocab = student.config.vocab_size, teacher.config.vocab_size  # type: ignore[union-attr]
     if student_vocab != teacher_vocab:

@@ -32,10 +32,10 @@ def evaluate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) ->
     try:
         with torch.no_grad():
             for batch in batches:
-                totals += _batch_totals(model, batch, None if setup is None else setup.cp_group())
+                totals += _batch_totals(model, batch, setup.cp_group())
     finally:
         model.train(was_training)
-    group = None if setup is None else setup.loss_group()  # dp (× cp: each cp rank holds a part)
+    group = setup.loss_group()  # dp (× cp: each cp rank holds a part)
     if group is not None:
         dist.all_reduce(totals, group=group)
     return float(totals[0] / totals[1])

@@ -91,11 +91,10 @@ def train_step(
         check_micro_batch_count(pipeline, len(micro_batches))  # before any collective
     setup = setup_of(model)
     _check_router_loss_supported(model, setup)
-    group = None if setup is None else setup.dp_group()  # the label tokens are counted over dp
+    group = setup.dp_group()  # the label tokens are counted over dp
     dp_size = 1 if group is None else dist.get_world_size(group)
     label_tokens = global_label_tokens(micro_batches, group, "train_step")
-    cp_group = None if setup is None else setup.cp_group()
-    loss_group = None if setup is None else setup.loss_group()
+    cp_group, loss_group = setup.cp_group(), setup.loss_group()
     if pipeline is not None:
         loss_sum = pipeline_forward_backward(model, pipeline, micro_batches, label_tokens, dp_size)
     else:  # the managers average gradients over dp (× cp): scaled back, the step's sum over all tokens
@@ -171,10 +170,10 @@ def logits_and_router_loss(
     return outputs.logits, router_loss_share(model, outputs.router_logits, inputs["attention_mask"], loss_group)
 
 
-def _check_router_loss_supported(model: nn.Module, setup: DistributedSetup | None) -> None:
+def _check_router_loss_supported(model: nn.Module, setup: DistributedSetup) -> None:
     """The load-balancing loss of the global batch is built for data, tensor and expert parallel;
     a pipeline stage or a context-parallel part holds only some of its routers' tokens."""
-    if setup is None or not adds_router_loss(model):
+    if not adds_router_loss(model):
         return
     degrees = setup.degrees
     if degrees.pp > 1 or degrees.cp > 1:

@@ -51,5 +51,7 @@ DDP = register_strategy(
         apply=apply_ddp,
         check_available=always_available,
         degrees=("tp",),
+        holds_4bit_layers=True,
+        shards_frozen_models=False,  # replicate's first forward wants parameters that take gradients
     )
 )

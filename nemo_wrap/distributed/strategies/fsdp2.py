@@ -118,5 +118,6 @@ FSDP2 = register_strategy(
         check_available=always_available,
         mixed_precision_options=with_mixed_precision,
         shard_experts=shard_experts,
+        holds_4bit_layers=True,
     )
 )

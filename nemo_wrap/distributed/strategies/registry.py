@@ -44,6 +44,12 @@ class StrategyEntry:
     - ``mixed_precision_options(options, compute_dtype, reduce_dtype)``: the options with the
       strategy's own mixed precision set, for strategies that cast parameters themselves (FSDP2);
       ``None`` for the others, under which mixed precision is ``torch.autocast``.
+    - ``collective``: whether a model under it acts with other ranks (loads, saves and steps are
+      collective). Only the single-process entry says no: its model is this process's alone.
+    - ``holds_4bit_layers``: whether bitsandbytes' 4-bit layers are built and tested under it.
+    - ``shards_frozen_models``: whether it can take a model none of whose parameters trains (a
+      distillation teacher). DDP's ``replicate`` cannot: its first forward wants parameters that
+      take gradients.
     """
 
     name: str
@@ -56,13 +62,40 @@ class StrategyEntry:
     kept_mesh_dims: tuple[str, ...] = ()
     mixed_precision_options: Callable[[Any, torch.dtype, torch.dtype], Any] | None = None
     shard_experts: Callable[[list[nn.Module], DeviceMesh, Any, int], None] | None = None
+    collective: bool = True
+    holds_4bit_layers: bool = False
+    shards_frozen_models: bool = True
 
 
-_REGISTRY: dict[str, StrategyEntry] = {}
+@dataclass(frozen=True)
+class NoOptions:
+    """The single-process entry takes no options."""
+
+
+def _keep_whole(model: nn.Module, mesh: DeviceMesh, options: NoOptions) -> nn.Module:
+    return model
 
 
 def always_available() -> None:
     """The ``check_available`` of strategies torch itself runs on every backend (gloo, NCCL)."""
+
+
+SINGLE_PROCESS = StrategyEntry(
+    name="single_process",
+    options_class=NoOptions,
+    shards_on_meta=False,
+    shards_parameters=False,
+    apply=_keep_whole,
+    check_available=always_available,
+    collective=False,
+    holds_4bit_layers=True,
+)
+"""A world of one: the whole model in this process, no mesh, no collective — what
+``distributed_setup=None`` means. Not in the registry: ``DistributedSetup.build`` cannot name it,
+only :meth:`~nemo_wrap.distributed.setup.DistributedSetup.single_process` makes it."""
+
+
+_REGISTRY: dict[str, StrategyEntry] = {}
 
 
 def register_strategy(entry: StrategyEntry) -> StrategyEntry:
@@ -78,9 +111,16 @@ def strategy_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def names_where(fact: Callable[[StrategyEntry], bool]) -> tuple[str, ...]:
+    """The registered strategies of which ``fact`` holds (for messages naming the ways out)."""
+    return tuple(name for name, entry in _REGISTRY.items() if fact(entry))
+
+
 def strategy_entry(name: object) -> StrategyEntry:
-    """The entry registered as ``name``; :class:`InvalidSetupError` naming the choices otherwise."""
-    entry = _REGISTRY.get(name) if isinstance(name, str) else None
+    """The entry registered as ``name`` (or the single-process one); :class:`InvalidSetupError`
+    naming the choices otherwise."""
+    known = {**_REGISTRY, SINGLE_PROCESS.name: SINGLE_PROCESS}
+    entry = known.get(name) if isinstance(name, str) else None
     if entry is None:
         raise InvalidSetupError(f"unknown strategy={name!r}; choose one of {list(_REGISTRY)}")
     return entry

@@ -18,6 +18,7 @@ from nemo_wrap.models.lora.peft_views import ProjectionView, add_projection_view
 from nemo_wrap.models.lora.settings import LoraSettings, lora_settings
 from nemo_wrap.models.lora.targets import (
     LoraTarget,
+    adapter_parallel_entries,
     add_lora,
     find_lora_targets,
     fused_parts,
@@ -31,6 +32,7 @@ __all__ = [
     "LoraSettings",
     "LoraTarget",
     "ProjectionView",
+    "adapter_parallel_entries",
     "add_lora",
     "add_projection_views",
     "find_lora_targets",

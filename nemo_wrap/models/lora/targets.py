@@ -75,12 +75,11 @@ def find_lora_targets(
     return resolved, targets
 
 
-def add_lora(model: PreTrainedModel, targets: list[LoraTarget], settings: LoraSettings) -> dict[str, ParallelStyle]:
+def add_lora(model: PreTrainedModel, targets: list[LoraTarget], settings: LoraSettings) -> None:
     """Attach adapters to every target (as its sibling ``lora_<name>``, on the model's device and
-    dtype), freeze everything else, and return the tensor-parallel entries the adapters need."""
+    dtype) and freeze everything else."""
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    plan: dict[str, ParallelStyle] = {}
     for target in targets:
         layer = model.get_submodule(target.module)
         shapes = {name.rpartition(".")[2]: settings.for_projection(name) for name, _ in target.parts}
@@ -92,9 +91,17 @@ def add_lora(model: PreTrainedModel, targets: list[LoraTarget], settings: LoraSe
         parent_name, _, leaf = adapters_name(target.module).rpartition(".")
         model.get_submodule(parent_name).add_module(leaf, adapters.to(device=device, dtype=dtype))
         layer.register_forward_hook(partial(add_lora_output, adapters))
-        prefix = adapters_name(target.module)
-        plan.update({f"{prefix}.pairs.{name}": ReplicateWithGradientSum() for name in adapters.pairs})
-    return plan
+
+
+def adapter_parallel_entries(model: nn.Module) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan entries of the adapters attached to ``model``: each pair is kept
+    whole on every tp rank, its gradients summed over them."""
+    return {
+        f"{name}.pairs.{pair}": ReplicateWithGradientSum()
+        for name, module in model.named_modules()
+        if isinstance(module, LoraAdapters)
+        for pair in module.pairs
+    }
 
 
 def _adapter_placement(layer: nn.Module) -> tuple[torch.device, torch.dtype]:

@@ -15,10 +15,10 @@ import torch
 from transformers import BitsAndBytesConfig
 
 from nemo_wrap.distributed.setup import DistributedSetup
+from nemo_wrap.distributed.strategies.registry import names_where
 from nemo_wrap.errors import UnsupportedQuantizationError
 
 QUANT_TYPES = ("nf4", "fp4")
-STRATEGIES = ("ddp", "fsdp2")  # the strategies 4-bit layers are built and tested under
 # Degrees a 4-bit load refuses, and why: its layers hold whole rows, and the rest is not built yet.
 _REFUSED_DEGREES = {
     "tp": "4-bit layers are sharded by whole rows only; a row-wise layer would split them by columns",
@@ -95,17 +95,16 @@ def quantization_settings(config: object) -> QuantizationSettings:
     )
 
 
-def check_composes(
-    setup: DistributedSetup | None, precision: str | None, compile_layers: bool, has_checkpoint: bool
-) -> None:
+def check_composes(setup: DistributedSetup, precision: str | None, compile_layers: bool, has_checkpoint: bool) -> None:
     """Refuse, by name, what a 4-bit load does not compose with — before anything is built or read."""
     refusals = []
     if not has_checkpoint:
         refusals.append("from_config (4-bit layers are quantized from a checkpoint while it is read; there is none)")
-    if setup is not None and setup.strategy not in STRATEGIES:
-        refusals.append(f"strategy={setup.strategy!r} (4-bit layers run under {' and '.join(STRATEGIES)})")
+    if not setup.entry.holds_4bit_layers:
+        holding = " and ".join(names_where(lambda entry: entry.holds_4bit_layers))
+        refusals.append(f"strategy={setup.strategy!r} (4-bit layers run under {holding})")
     for degree, why in _REFUSED_DEGREES.items():
-        size = 1 if setup is None else getattr(setup.degrees, degree)
+        size = getattr(setup.degrees, degree)
         if size > 1:
             refusals.append(f"{degree}_size={size} ({why})")
     if precision == "bf16-mixed":
