@@ -196,6 +196,11 @@ def case_ddp_teacher_is_refused() -> str:
 
 
 STRATEGIES = [("ddp", 1), ("fsdp2", 1), ("fsdp2", 2), ("ddp", 2)]
+# Loss tolerance by tp degree. Tensor parallel sums each row's logits and the loss in another order
+# than one process: the worst relative loss difference measured is 6.4e-6 at tp=1 and 1.149e-5 at
+# tp=2 (the same on an Intel Xeon with AMX and on an AMD EPYC with AVX512-BF16), so tp=2 is held
+# to 3e-5, about 2.6x the measured worst; weights stay within 1.5e-8 of one process either way.
+LOSS_RTOL = {1: 1e-5, 2: 3e-5}
 
 
 @pytest.mark.parametrize(("strategy", "tp_size"), STRATEGIES, ids=["ddp", "fsdp2", "tp2", "ddp-tp2"])
@@ -205,7 +210,9 @@ def test_two_ranks_match_one_process(ranks2, strategy, tp_size):
     if tp_size == 1:
         assert [tokens for tokens, _, _ in results] == [19, 20]  # step 0: rows of 15 + 4 and 10 + 10 label tokens
     for _, losses, weights in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(expected_losses), rtol=LOSS_RTOL[tp_size], atol=0
+        )
         assert weights.keys() == expected_weights.keys()
         for name, tensor in expected_weights.items():
             torch.testing.assert_close(

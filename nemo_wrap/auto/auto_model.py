@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,23 +107,12 @@ class NeMoAutoModelForCausalLM:
         """Load ``path`` (a checkpoint directory or hub id) sharded as ``distributed_setup`` says.
 
         ``distributed_setup=None`` loads into this process alone and runs no collective, whatever
-        process group exists (so rank 0 may load a model by itself).
-
-        ``dtype="auto"`` keeps the checkpoint's dtype; ``dtype=None`` (default) too, where the device
-        multiplies it fast, else fp32 (bf16 on a CPU without bf16 instructions). ``strict`` (default) raises
-        :class:`MissingWeightsError` / :class:`UnexpectedKeysError` on every rank instead of
-        initializing what the checkpoint lacks. ``verify`` re-reads the checkpoint and compares
-        per-tensor checksums with what every rank holds. ``seed`` seeds whatever is initialized.
-        ``peft_config`` (a ``peft.LoraConfig``) adds new LoRA adapters and freezes the base;
-        ``adapter`` (a PEFT adapter directory) loads an existing one, trainable. ``precision``
-        (``"fp32"``, ``"bf16"``, ``"bf16-mixed"``) sets the parameters' dtype and how compute and
-        gradient reduction are cast (see :mod:`nemo_wrap.distributed.precision`). ``compile``
-        compiles each decoder layer with ``torch.compile`` (not with tensor parallel).
-        ``quantization_config`` (``transformers.BitsAndBytesConfig(load_in_4bit=True, ...)``) holds
-        the linear layers in 4 bits, as transformers would choose them, each rank quantizing the rows
-        it holds while reading (with ``peft_config``: QLoRA). Other keywords override config
-        attributes. ``options`` is the same request as one typed object (:class:`LoadOptions`),
-        instead of the keywords. The result carries ``model.load_report``.
+        process group exists (so rank 0 may load a model by itself). Each keyword is the
+        :class:`LoadOptions` field of its name, documented there (dtype, strict
+        missing/unexpected-weight errors, verify, LoRA via ``peft_config`` or ``adapter``, precision,
+        compile, 4-bit ``quantization_config``); ``options`` is the same request as one typed object,
+        instead of the keywords. Other keywords override config attributes. The model carries
+        ``model.load_report``; ``plan()`` shows what a load will do without reading a weight.
         """
         given = LoadOptions(
             dtype=dtype,
@@ -138,8 +126,9 @@ class NeMoAutoModelForCausalLM:
             precision=precision,
             compile=compile,
             quantization_config=quantization_config,
+            config_overrides=tuple(config_overrides.items()),
         )
-        options = _one_of(options, dataclasses.replace(given, config_overrides=tuple(config_overrides.items())))
+        options = _one_of(options, given)
         setup = DistributedSetup.given(distributed_setup)
         group = setup.rank_group()
         config, checkpoint = group.on_every_rank("opening the checkpoint", lambda: _open(path, options, group))

@@ -10,7 +10,7 @@ and live here rather than in the init mixin (which knows nothing of files or ran
 - ``load_report`` carries the audit of the load, and ``model_spec`` the architecture's spec.
 
 What the load learnt about the model lives in one typed attribute, ``nemo_state``
-(:class:`~nemo_wrap.distributed.model_state.ModelState`), set by the load pipeline.
+(:class:`~nemo_wrap.loading.model_state.ModelState`), set by the load pipeline.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from peft import LoraConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from nemo_wrap.checkpoint.gather import gather_full
+from nemo_wrap.checkpoint.gather import SavingRanks, gather_full
 from nemo_wrap.checkpoint.peft_adapter import save_peft_adapter
 from nemo_wrap.checkpoint.save import DEFAULT_MAX_SHARD_SIZE, save_hf_checkpoint
 from nemo_wrap.distributed.collectives import RankGroup
-from nemo_wrap.distributed.model_state import ModelState, setup_of
 from nemo_wrap.distributed.pipeline.stage_model import held_tied_weights
 from nemo_wrap.errors import UnsupportedSaveOptionError
+from nemo_wrap.loading.model_state import ModelState, setup_of
 from nemo_wrap.loading.provenance import LoadReport
 from nemo_wrap.models.lora import LoraAdapters, is_lora_parameter, lora_settings
 from nemo_wrap.models.lora.layers import adapted_layer
@@ -113,7 +113,7 @@ class ShardedModelMixin:
             save_directory,
             architecture=self.hf_architecture,
             adapter=self.state_dict_adapter(),
-            group=group,
+            ranks=SavingRanks(group, self.nemo_state.pipeline),
             state_dict=state_dict,
             max_shard_size=max_shard_size,
             tokenizer=tokenizer,
@@ -144,7 +144,7 @@ class ShardedModelMixin:
             save_directory,
             architecture=self.hf_architecture,
             adapter=merging,
-            group=group,
+            ranks=SavingRanks(group, self.nemo_state.pipeline),
             **save,
         )
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.distributed.pipeline.runtime import PipelineRuntime
 from nemo_wrap.state_dict import EncodedWeight
 
@@ -54,6 +55,15 @@ def _info(tensor: Writable) -> TensorInfo:
     if isinstance(tensor, EncodedWeight):
         return TensorInfo(tensor.weight_shape, tensor.weight_dtype)
     return TensorInfo(tuple(tensor.shape), tensor.dtype)
+
+
+@dataclass(frozen=True)
+class SavingRanks:
+    """Who takes part in a consolidated save: the ranks that act together, and this rank's pipeline
+    stage (``None``: the whole model is on this rank)."""
+
+    group: RankGroup
+    pipeline: PipelineRuntime | None = None
 
 
 class FullTensors:

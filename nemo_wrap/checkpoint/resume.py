@@ -175,8 +175,9 @@ def start_checkpoint_save(
         raise DistributedStateError("a background save on several ranks needs its own process group")
     state = _training_state(model, optimizer, step, data)
     with staged_save(target, group) as (staged, failure):
-        start = partial(dcp.async_save, state, checkpoint_id=staged, process_group=process_group,
-                        no_dist=not group.collective)  # fmt: skip
+        start = partial(
+            dcp.async_save, state, checkpoint_id=staged, process_group=process_group, no_dist=not group.collective
+        )
         try:
             # a Future: the default stager copies before returning, so no staging future comes back
             written = cast("Future[Any]", group.on_every_rank("copying the state to write", start))

@@ -30,11 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nemo_wrap.checkpoint.atomic import replace_directory, staged_save
-from nemo_wrap.checkpoint.gather import FullTensors, TensorInfo, Writable
+from nemo_wrap.checkpoint.gather import FullTensors, SavingRanks, TensorInfo, Writable
 from nemo_wrap.checkpoint.locate import INDEX_FILE, SINGLE_FILE
 from nemo_wrap.checkpoint.safetensors_stream import SafetensorsStream
 from nemo_wrap.distributed.collectives import RankGroup
-from nemo_wrap.distributed.model_state import pipeline_of
 from nemo_wrap.errors import CheckpointSaveError, InvalidShardSizeError, UnsupportedSaveOptionError
 from nemo_wrap.progress import progress_bar
 from nemo_wrap.state_dict import StateDictAdapter, checkpoint_tensors, encoded_weights
@@ -62,7 +61,7 @@ def save_hf_checkpoint(
     save_directory: str | Path,
     architecture: str,
     adapter: StateDictAdapter,
-    group: RankGroup,
+    ranks: SavingRanks,
     state_dict: Mapping[str, torch.Tensor] | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     tokenizer: PreTrainedTokenizerBase | None = None,
@@ -70,7 +69,7 @@ def save_hf_checkpoint(
     """Write ``model`` as one transformers checkpoint at ``save_directory``, replacing what is there.
 
     ``architecture`` is the transformers class name written to ``config.json``; ``adapter`` turns
-    the model's tensors into transformers' keys. In a collective ``group`` (a sharded model) every
+    the model's tensors into transformers' keys. In a collective ``ranks.group`` (a sharded model) every
     rank must call it (tensors are gathered collectively and rank 0's outcome is broadcast) and
     rank 0 writes; a process-local group writes here, with no collective. ``state_dict`` (the
     model's parameter names) is written instead of the model's own tensors when given.
@@ -78,9 +77,9 @@ def save_hf_checkpoint(
     a tensor larger than it gets a file of its own. Raises :class:`CheckpointSaveError` on every
     rank if writing fails; the previous checkpoint at ``save_directory`` then stays in place.
     """
-    target = Path(save_directory).absolute()
+    target, group = Path(save_directory).absolute(), ranks.group
     limit = _parse_size(max_shard_size)
-    tensors = FullTensors(_tensors_to_write(model, state_dict), pipeline_of(model))
+    tensors = FullTensors(_tensors_to_write(model, state_dict), ranks.pipeline)
     with staged_save(target, group) as (staged, failure):
         index = _write_files(
             tensors, _plan_files(tensors.info, limit), _hf_keys_converter(adapter), staged, group, failure

@@ -31,7 +31,7 @@ def shard_model(
     """Apply ``setup`` to ``model`` and return it (or the strategy's wrapper around it).
 
     The caller (the load pipeline) records the setup in the model's
-    :class:`~nemo_wrap.distributed.model_state.ModelState`, and checks
+    :class:`~nemo_wrap.loading.model_state.ModelState`, and checks
     ``setup.entry.check_available()`` first, before any work that would be lost (the load pipeline
     does so before it builds anything). ``precision`` puts its mixed precision
     into the strategy's options where the strategy casts parameters itself (FSDP2). ``root`` is the

@@ -2,7 +2,7 @@
 
 Everything ``from_pretrained`` is asked for besides the checkpoint and the distributed setup. It is
 built once — from ``from_pretrained``'s keywords, by the CLI, or held by ``SFTConfig`` — and taken
-as it is by ``plan()``, :func:`~nemo_wrap.loading.plan.make_load_plan` and the load pipeline, so
+as it is by ``plan()``, :func:`~nemo_wrap.loading.resolve.resolve_load_plan` and the load pipeline, so
 adding an option is one field here plus its use, not a new parameter in every signature on the way.
 Values are checked when it is made, naming the keyword.
 """
@@ -64,13 +64,6 @@ class LoadOptions:
             raise InvalidSetupError(
                 "from_pretrained: pass peft_config (new adapters) or adapter (a directory), not both"
             )
-
-    @property
-    def adapters(self) -> str | None:
-        """The LoRA a load adds: ``"new"`` adapters, one read from a ``"file"``, or ``None``."""
-        if self.adapter is not None:
-            return "file"
-        return None if self.peft_config is None else "new"
 
     @property
     def overrides(self) -> dict[str, Any]:

@@ -70,9 +70,11 @@ class DistributedSection:
     ep_size: int = option(1, "expert-parallel degree of MoE layers (fsdp2)", "--ep-size", _positive)
     pp_schedule: str = option("1f1b", "pipeline schedule: 1f1b | gpipe", "--pp-schedule", _one_of("1f1b", "gpipe"))
     max_restarts: int = option(
-        0, "restarts of every rank after one fails (with --nproc; add --resume auto)", "--max-restarts",
+        0,
+        "restarts of every rank after one fails (with --nproc; add --resume auto)",
+        "--max-restarts",
         _not_negative,
-    )  # fmt: skip
+    )
     timeout_s: float = option(
         1800.0, "seconds a collective waits for another rank before the job fails", "--timeout", _positive
     )

@@ -58,21 +58,38 @@ def sft_config(recipe: Recipe) -> SFTConfig:
     )
     teacher = recipe.distillation
     return SFTConfig(
-        data=_located(data.train), output_dir=recipe.output_dir, format=data.format,
-        columns=tuple(data.columns.items()), max_length=data.max_length, seq_len=data.seq_len, pack=data.pack,
+        data=_located(data.train),
+        output_dir=recipe.output_dir,
+        format=data.format,
+        columns=tuple(data.columns.items()),
+        max_length=data.max_length,
+        seq_len=data.seq_len,
+        pack=data.pack,
         last_turn_only=data.last_turn_only,
-        eval_data=_located(data.eval), eval_every=training.eval_every, steps=training.steps, epochs=training.epochs,
-        micro_batch_size=training.batch_size, accumulation=training.accumulation, seed=training.seed,
-        lr=optimizer.lr, warmup_steps=optimizer.warmup_steps, lr_schedule=optimizer.lr_schedule,
+        eval_data=_located(data.eval),
+        eval_every=training.eval_every,
+        steps=training.steps,
+        epochs=training.epochs,
+        micro_batch_size=training.batch_size,
+        accumulation=training.accumulation,
+        seed=training.seed,
+        lr=optimizer.lr,
+        warmup_steps=optimizer.warmup_steps,
+        lr_schedule=optimizer.lr_schedule,
         max_grad_norm=optimizer.max_grad_norm,
-        log_dir=logging.log_dir or str(Path(recipe.output_dir) / "logs"), report_to=logging.report_to,
-        mlflow_tracking_uri=logging.mlflow_tracking_uri, run_config=recipe_as_dict(recipe),
-        save_every=checkpoint.save_every, keep_last=checkpoint.keep_last, async_save=checkpoint.async_save,
+        log_dir=logging.log_dir or str(Path(recipe.output_dir) / "logs"),
+        report_to=logging.report_to,
+        mlflow_tracking_uri=logging.mlflow_tracking_uri,
+        run_config=recipe_as_dict(recipe),
+        save_every=checkpoint.save_every,
+        keep_last=checkpoint.keep_last,
+        async_save=checkpoint.async_save,
         resume=checkpoint.resume,
         distillation=DistillationSettings(str(_located(teacher.teacher)), teacher.kd_ratio, teacher.temperature)
-        if teacher.teacher else None,
+        if teacher.teacher
+        else None,
         load=load_options(recipe, peft_config=_lora(recipe), compile=recipe.load.compile),
-    )  # fmt: skip
+    )
 
 
 def load_options(recipe: Recipe, **options: Any) -> LoadOptions:
@@ -114,6 +131,12 @@ def distributed_setup(recipe: Recipe, world_size: int) -> DistributedSetup:
     """The setup the recipe's degrees describe, on ``world_size`` ranks."""
     d = recipe.distributed
     return DistributedSetup.build(
-        d.strategy, world_size, tp_size=d.tp_size, dp_replicate_size=d.dp_replicate_size, cp_size=d.cp_size,
-        pp_size=d.pp_size, ep_size=d.ep_size, pp_schedule=d.pp_schedule,
-    )  # fmt: skip
+        d.strategy,
+        world_size,
+        tp_size=d.tp_size,
+        dp_replicate_size=d.dp_replicate_size,
+        cp_size=d.cp_size,
+        pp_size=d.pp_size,
+        ep_size=d.ep_size,
+        pp_schedule=d.pp_schedule,
+    )

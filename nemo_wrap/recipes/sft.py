@@ -153,10 +153,14 @@ def _job(
     log = job.on_every_rank(  # a tracker that fails to start on the writer must not leave the others waiting
         "opening the metrics trackers",
         lambda: MetricsLog(
-            config.log_dir, job.is_writer, config.report_to, config.run_config, config.mlflow_tracking_uri,
+            config.log_dir,
+            job.is_writer,
+            config.report_to,
+            config.run_config,
+            config.mlflow_tracking_uri,
             Path(config.output_dir).name,
         ),
-    )  # fmt: skip
+    )
     return _Job(
         model=model,
         optimizer=optimizer,

@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nemo_wrap.distributed.model_state import setup_of
 from nemo_wrap.errors import InvalidSetupError, UnsupportedSetupError
+from nemo_wrap.loading.model_state import setup_of
 from nemo_wrap.training.accumulation import no_gradient_sync
 from nemo_wrap.training.step import (
     StepResult,

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nemo_wrap.distributed.model_state import pipeline_of, setup_of
+from nemo_wrap.loading.model_state import pipeline_of, setup_of
 from nemo_wrap.training.context_parallel_step import context_parallel_eval_totals
 from nemo_wrap.training.pipeline_step import pipeline_evaluate_totals
 from nemo_wrap.training.token_loss import token_loss_totals

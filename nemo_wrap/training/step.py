@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nemo_wrap.distributed.model_state import pipeline_of, setup_of
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import UnsupportedSetupError
+from nemo_wrap.loading.model_state import pipeline_of, setup_of
 from nemo_wrap.training.accumulation import no_gradient_sync
 from nemo_wrap.training.clipping import clip_grad_norm_
 from nemo_wrap.training.context_parallel_step import context_parallel_backward

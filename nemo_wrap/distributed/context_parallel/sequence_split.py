@@ -96,8 +96,9 @@ class SequenceSplit:
             valid = torch.cat([valid, torch.zeros((rows, pad), dtype=torch.bool)], dim=1)
         mine = _chunk_indices(length + pad, rank, size)
         everyone = torch.cat([_chunk_indices(length + pad, r, size) for r in range(size)])
-        return cls(group, ids[:, mine], positions[:, mine], shift[:, mine], mine, everyone,
-                   _documents(positions), valid)  # fmt: skip
+        return cls(
+            group, ids[:, mine], positions[:, mine], shift[:, mine], mine, everyone, _documents(positions), valid
+        )
 
     def count_attention_call(self) -> None:
         self._attention_calls[0] += 1

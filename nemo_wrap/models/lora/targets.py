@@ -84,9 +84,14 @@ def add_lora(model: PreTrainedModel, targets: list[LoraTarget], settings: LoraSe
         layer = model.get_submodule(target.module)
         shapes = {name.rpartition(".")[2]: settings.for_projection(name) for name, _ in target.parts}
         adapters = LoraAdapters(
-            target.in_features, target.out_features, _short(target.parts), shapes, settings.dropout,
-            settings.bias, settings.dora,
-        )  # fmt: skip
+            target.in_features,
+            target.out_features,
+            _short(target.parts),
+            shapes,
+            settings.dropout,
+            settings.bias,
+            settings.dora,
+        )
         device, dtype = _adapter_placement(layer)
         parent_name, _, leaf = adapters_name(target.module).rpartition(".")
         model.get_submodule(parent_name).add_module(leaf, adapters.to(device=device, dtype=dtype))

@@ -6,20 +6,21 @@ training step finds its data-parallel group there, ``generate`` knows its forwar
 collectives, ``save_pretrained`` that saving is collective), the audit of its load, the LoRA
 configuration of the adapters it carries, and the pipeline stage it is (if pipelined). One declared
 attribute replaces names attached from outside and read back with ``getattr``.
+
+It lives in :mod:`nemo_wrap.loading`, the layer that knows all its parts (the load report is the
+load's); training, which reads a model's setup and pipeline stage, sits above it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from peft import LoraConfig
 
 from nemo_wrap.distributed.pipeline.runtime import PipelineRuntime
 from nemo_wrap.distributed.setup import DistributedSetup
-
-if TYPE_CHECKING:
-    from nemo_wrap.loading.provenance import LoadReport  # a higher layer: the type only
+from nemo_wrap.loading.provenance import LoadReport
 
 
 @dataclass
