@@ -50,7 +50,7 @@ def test_compiled_layers_train_like_eager_ones_in_one_process(checkpoint):
 
 
 def test_compile_with_tensor_parallel_is_refused_before_loading(checkpoint):
-    with pytest.raises(InvalidSetupError, match=r"compile=True with tp_size=2"):
+    with pytest.raises(InvalidSetupError, match=r"compile=True does not compose with tp_size=2"):
         NeMoAutoModelForCausalLM.plan(checkpoint, DistributedSetup.build("fsdp2", 2, tp_size=2), compile=True)
 
 

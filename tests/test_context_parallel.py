@@ -63,7 +63,7 @@ def test_the_masks_of_the_parts_are_the_whole_sequences_mask(size):
         (tiny_config("gemma2"), {"cp_size": 2}, "soft-capping"),
         (tiny_config("own-qwen3", use_sliding_window=True, sliding_window=4, max_window_layers=0), {"cp_size": 2},
          "sliding-window layers"),
-        (tiny_config("own-llama"), {"cp_size": 2, "pp_size": 2}, "cp_size > 1 with pp_size > 1"),
+        (tiny_config("own-llama"), {"cp_size": 2, "pp_size": 2}, "cp_size=2 does not compose with pp_size=2"),
     ],
     ids=["softcap", "fused-sliding", "with-pp"],
 )

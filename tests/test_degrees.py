@@ -75,9 +75,9 @@ def test_every_degree_is_planned_and_unbuilt_combinations_are_refused_in_plan_an
     assert "expert parallel over ep=4 of the dp_shard × cp × tp ranks (expert mesh efsdp=2, ep=4)" in text
     for other in ("cp_size", "pp_size"):
         setup = DistributedSetup.build("fsdp2", 8, ep_size=2, **{other: 2})
-        with pytest.raises(UnsupportedSetupError, match=f"ep_size=2 with {other}=2"):
+        with pytest.raises(UnsupportedSetupError, match=f"ep_size=2 does not compose with {other}=2"):
             NeMoAutoModelForCausalLM.plan(mixtral, setup)
-        with pytest.raises(UnsupportedSetupError, match=f"ep_size=2 with {other}=2"):
+        with pytest.raises(UnsupportedSetupError, match=f"ep_size=2 does not compose with {other}=2"):
             NeMoAutoModelForCausalLM.from_config(mixtral, distributed_setup=setup)
 
 

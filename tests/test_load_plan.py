@@ -89,7 +89,7 @@ def test_every_combination_4bit_does_not_compose_with_is_refused_by_name():
 
 
 def test_compiling_with_tensor_parallel_is_refused():
-    with pytest.raises(InvalidSetupError, match=r"compile=True with tp_size=2"):
+    with pytest.raises(InvalidSetupError, match=r"compile=True does not compose with tp_size=2"):
         _resolve(True, DistributedSetup.build("fsdp2", 4, 2), True, LoadOptions(compile=True))
 
 

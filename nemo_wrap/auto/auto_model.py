@@ -23,7 +23,7 @@ from nemo_wrap.checkpoint.peft_adapter import open_adapter
 from nemo_wrap.checkpoint.strict_json import read_json_file
 from nemo_wrap.distributed.collectives import RankGroup, collective_device
 from nemo_wrap.distributed.hardware import fast_matmul_dtypes
-from nemo_wrap.distributed.precision import Precision
+from nemo_wrap.distributed.precision import Precision, PrecisionName
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import (
     CheckpointNotFoundError,
@@ -52,7 +52,7 @@ class NeMoAutoModelForCausalLM:
         distributed_setup: DistributedSetup | None = None,
         force_hf: bool = False,
         allow_pickle: bool = False,
-        precision: Precision | None = None,
+        precision: Precision | PrecisionName | None = None,
         dtype: torch.dtype | str | None = None,
         compile: bool = False,
         quantization_config: BitsAndBytesConfig | None = None,
@@ -98,7 +98,7 @@ class NeMoAutoModelForCausalLM:
         seed: int | None = None,
         peft_config: LoraConfig | None = None,
         adapter: str | Path | None = None,
-        precision: Precision | None = None,
+        precision: Precision | PrecisionName | None = None,
         compile: bool = False,
         quantization_config: BitsAndBytesConfig | None = None,
         options: LoadOptions | None = None,
@@ -144,7 +144,7 @@ class NeMoAutoModelForCausalLM:
         seed: int | None = None,
         dtype: torch.dtype | str | None = None,
         force_hf: bool = False,
-        precision: Precision | None = None,
+        precision: Precision | PrecisionName | None = None,
         compile: bool = False,
         options: LoadOptions | None = None,
     ) -> PreTrainedModel:

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
-from nemo_wrap.loading.provenance import Initialized, Provenance
+from nemo_wrap.loading.provenance import Initialized, Missing, Provenance
 from nemo_wrap.loading.read import read_into_model
 from nemo_wrap.models.lora import (
     add_lora,
@@ -84,6 +84,6 @@ def read_adapter_file(
 def new_adapter_provenance(provenance: dict[str, Provenance], names: list[str]) -> None:
     """New adapters are initialized by their own rule, which is why they may be absent from files."""
     for name in names:
-        if is_lora_parameter(name) and (provenance.get(name) is None or provenance[name].kind == "missing"):
+        if is_lora_parameter(name) and (provenance.get(name) is None or isinstance(provenance[name], Missing)):
             rule = NEW_MAGNITUDE_RULE if name.endswith(".lora_magnitude") else NEW_ADAPTER_RULE
             provenance[name] = Initialized(rule, "a new LoRA adapter (peft_config)")

@@ -34,6 +34,7 @@ from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
 from nemo_wrap.distributed.collectives import RankGroup, collective_device, device_memory_bytes
 from nemo_wrap.distributed.context_parallel import CONTEXT_PARALLEL_ATTENTION, register_context_parallel_attention
+from nemo_wrap.distributed.degrees import MeshDim
 from nemo_wrap.distributed.modules import decoder_layers
 from nemo_wrap.distributed.pipeline.runtime import build_runtime
 from nemo_wrap.distributed.pipeline.stage_model import (
@@ -57,7 +58,7 @@ from nemo_wrap.errors import (
 )
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import Adapters, LoadPlan, Step
-from nemo_wrap.loading.provenance import Initialized, LoadReport, Provenance, Tied
+from nemo_wrap.loading.provenance import Initialized, Loaded, LoadReport, Missing, Provenance, ProvenanceKind, Tied
 from nemo_wrap.loading.read import checkpoint_blocks, checkpoint_shapes, matches_any, read_into_model
 from nemo_wrap.loading.verify import ChecksumsWhileReading, verify_load
 from nemo_wrap.models.config_checks import check_size_budget, describe_config
@@ -182,7 +183,7 @@ class LoadPipeline:
         stage = PipelineStageModule(model, layout)
         apply_autocast(stage, self.plan.precision, collective_device().type)  # a stage calls its backbone alone
         model.register_forward_pre_hook(refuse_outside_schedule(stage), with_kwargs=True)
-        pp_group, schedule = mesh["pp"].get_group(), self.setup.pipeline.schedule
+        pp_group, schedule = mesh[MeshDim.PP].get_group(), self.setup.pipeline.schedule
         model.nemo_state.pipeline = build_runtime(stage, schedule, mesh.mesh, pp_group, layout.tied_embeddings)
 
     def quantize_layers(self, settings: QuantizationSettings, state: LoadState) -> None:
@@ -257,7 +258,7 @@ class LoadPipeline:
 
     def initialize_rest(self, state: LoadState) -> None:
         model, provenance = state.model, state.provenance
-        loaded = _tensor_names(model, [n for n, p in provenance.items() if p.kind in ("checkpoint", "tied")])
+        loaded = _tensor_names(model, [n for n, p in provenance.items() if isinstance(p, (Loaded, Tied))])
         model.initialize_weights(loaded_names=loaded, seed=agree_on_seed(self.options.seed, self.setup))
         rule = f"{type(model).__mro__[0].__name__}._init_weights (seeded, shard-aware)"
         allowed_missing = getattr(model, "_keys_to_ignore_on_load_missing", None)
@@ -271,9 +272,9 @@ class LoadPipeline:
             current = provenance.get(name)
             if current is None:
                 provenance[name] = Initialized(rule, "no checkpoint given")
-            elif current.kind == "missing" and not self.options.strict:
+            elif isinstance(current, Missing) and not self.options.strict:
                 provenance[name] = Initialized(rule, "absent from the checkpoint, allowed by strict=False")
-            elif current.kind == "missing" and matches_any(name, allowed_missing):
+            elif isinstance(current, Missing) and matches_any(name, allowed_missing):
                 why = "absent from the checkpoint, allowed by the class's _keys_to_ignore_on_load_missing"
                 provenance[name] = Initialized(rule, why)
 
@@ -317,7 +318,7 @@ class LoadPipeline:
 
     def _raise_if_incomplete(self, report: LoadReport, state: LoadState) -> None:
         where = self.checkpoint.directory if self.checkpoint is not None else "from_config"
-        missing = sorted(_across_stages(state.model, report.names("missing")))  # every stage raises alike
+        missing = sorted(_across_stages(state.model, report.names(ProvenanceKind.MISSING)))  # every stage raises alike
         quantized = [name for name in missing if name in encoded_weights(state.model)]
         if quantized:
             raise MissingWeightsError(

@@ -20,14 +20,32 @@ from dataclasses import dataclass
 
 from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.validation import require_positive_int
+from nemo_wrap.vocabulary import Vocabulary
+
+
+class MeshDim(Vocabulary):
+    """The names of the device mesh's dimensions. torch indexes a mesh by these strings; a degree a
+    strategy takes (``StrategyEntry.degrees``) is the size of one of them."""
+
+    PP = "pp"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    DP = "dp"  # dp_replicate × dp_shard, flattened
+    CP = "cp"
+    TP = "tp"
+    EP = "ep"  # of the expert mesh
+    EFSDP = "efsdp"  # of the expert mesh: the ranks that hold the same experts
+    DP_SHARD_CP = "dp_shard_cp"  # flattened: what FSDP shards over under context parallel
+    DP_CP = "dp_cp"  # flattened: what the loss is reduced over
+
 
 # The keyword of DistributedSetup.build for each degree a strategy may take.
 DEGREE_ARGUMENTS = {
-    "tp": "tp_size",
-    "cp": "cp_size",
-    "pp": "pp_size",
-    "ep": "ep_size",
-    "dp_replicate": "dp_replicate_size",
+    MeshDim.TP: "tp_size",
+    MeshDim.CP: "cp_size",
+    MeshDim.PP: "pp_size",
+    MeshDim.EP: "ep_size",
+    MeshDim.DP_REPLICATE: "dp_replicate_size",
 }
 
 
@@ -56,23 +74,23 @@ class ParallelDegrees:
         """How many ranks hold the same experts (and FSDP-shard them): dp_shard · cp · tp over ep."""
         return self.dp_shard * self.cp * self.tp // self.ep
 
-    def mesh_layout(self, kept: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    def mesh_layout(self, kept: tuple[MeshDim, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The mesh's shape and dimension names: the data-parallel dims always, the others when their
         size is above 1 or they are in ``kept``."""
-        dims: list[tuple[str, int]] = [("pp", self.pp)]
+        dims: list[tuple[str, int]] = [(MeshDim.PP, self.pp)]
         if self.dp_replicate > 1:
-            dims += [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)]
+            dims += [(MeshDim.DP_REPLICATE, self.dp_replicate), (MeshDim.DP_SHARD, self.dp_shard)]
         else:
-            dims.append(("dp", self.dp_shard))
-        dims += [("cp", self.cp), ("tp", self.tp)]
-        chosen = [(name, size) for name, size in dims if size > 1 or name in kept or name.startswith("dp")]
+            dims.append((MeshDim.DP, self.dp_shard))
+        dims += [(MeshDim.CP, self.cp), (MeshDim.TP, self.tp)]
+        chosen = [(name, size) for name, size in dims if size > 1 or name in kept or name.startswith(MeshDim.DP)]
         return tuple(size for _, size in chosen), tuple(name for name, _ in chosen)
 
     def expert_mesh_layout(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The expert mesh, the same ranks viewed as ``(dp_replicate, efsdp, ep)`` (transformers'
         expert mesh): ``ep`` varies fastest, so an expert group is the tp group when ep == tp."""
-        dims = [("dp_replicate", self.dp_replicate)] if self.dp_replicate > 1 else []
-        dims += [("efsdp", self.efsdp), ("ep", self.ep)]
+        dims = [(MeshDim.DP_REPLICATE, self.dp_replicate)] if self.dp_replicate > 1 else []
+        dims += [(MeshDim.EFSDP, self.efsdp), (MeshDim.EP, self.ep)]
         return tuple(size for _, size in dims), tuple(name for name, _ in dims)
 
     def expert_mesh_summary(self) -> str:
@@ -105,7 +123,7 @@ def describe_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> str:
 
 
 def derive_degrees(
-    world_size: object, given: Mapping[str, object], accepted: tuple[str, ...], strategy: str
+    world_size: object, given: Mapping[str, object], accepted: tuple[MeshDim, ...], strategy: str
 ) -> ParallelDegrees:
     """Validate the degrees ``given`` (keyword names as in :data:`DEGREE_ARGUMENTS`) for a strategy
     that takes ``accepted``, and derive the shard degree. Raises :class:`InvalidSetupError` naming
@@ -118,15 +136,26 @@ def derive_degrees(
     for degree, size in sizes.items():
         if size > 1 and degree not in accepted:
             raise InvalidSetupError(_not_taken(strategy, degree, size, accepted))
-    fixed = sizes["pp"] * sizes["dp_replicate"] * sizes["cp"] * sizes["tp"]
+    fixed = sizes[MeshDim.PP] * sizes[MeshDim.DP_REPLICATE] * sizes[MeshDim.CP] * sizes[MeshDim.TP]
     if world % fixed != 0:
-        parts = [f"{DEGREE_ARGUMENTS[d]}={sizes[d]}" for d in ("pp", "dp_replicate", "cp", "tp") if sizes[d] > 1]
+        parts = [
+            f"{DEGREE_ARGUMENTS[d]}={sizes[d]}"
+            for d in (MeshDim.PP, MeshDim.DP_REPLICATE, MeshDim.CP, MeshDim.TP)
+            if sizes[d] > 1
+        ]
         product = " · ".join(parts) + (f" (= {fixed})" if len(parts) > 1 else "")
         raise InvalidSetupError(
             f"DistributedSetup.build: world_size={world} is not divisible by {product}; the data-parallel "
             f"shard degree is world_size over that product, so world_size must be a multiple of {fixed}"
         )
-    degrees = ParallelDegrees(world // fixed, sizes["tp"], sizes["cp"], sizes["pp"], sizes["ep"], sizes["dp_replicate"])
+    degrees = ParallelDegrees(
+        world // fixed,
+        sizes[MeshDim.TP],
+        sizes[MeshDim.CP],
+        sizes[MeshDim.PP],
+        sizes[MeshDim.EP],
+        sizes[MeshDim.DP_REPLICATE],
+    )
     expert_ranks = degrees.dp_shard * degrees.cp * degrees.tp
     if expert_ranks % degrees.ep != 0:
         working = [n for n in range(1, expert_ranks + 1) if expert_ranks % n == 0]
@@ -137,10 +166,10 @@ def derive_degrees(
     return degrees
 
 
-def _not_taken(strategy: str, degree: str, size: int, accepted: tuple[str, ...]) -> str:
+def _not_taken(strategy: str, degree: MeshDim, size: int, accepted: tuple[MeshDim, ...]) -> str:
     argument = DEGREE_ARGUMENTS[degree]
     taken = ", ".join(DEGREE_ARGUMENTS[d] for d in accepted) or "none"
-    hint = f"; tp_size={size} with strategy='fsdp2'" if degree == "tp" else ""
+    hint = f"; tp_size={size} with strategy='fsdp2'" if degree == MeshDim.TP else ""
     return (
         f"DistributedSetup.build: strategy={strategy!r} does not take {argument}, so {argument} must be 1 "
         f"(got {argument}={size}); it takes: {taken}{hint}"

@@ -27,9 +27,19 @@ from torch import nn
 
 from nemo_wrap.distributed.strategies import strategy_entry
 from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.vocabulary import Vocabulary
 
-Precision = Literal["fp32", "bf16", "bf16-mixed"]
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "bf16-mixed")
+
+class Precision(Vocabulary):
+    """``precision=``: what parameters are stored in and what the matmuls compute in."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    BF16_MIXED = "bf16-mixed"
+
+
+PRECISIONS: tuple[str, ...] = Precision.words()
+PrecisionName = Literal["fp32", "bf16", "bf16-mixed"]  # the words, for type checkers (a test keeps them equal)
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
@@ -90,7 +100,7 @@ def default_parameter_dtype(stored: torch.dtype, fast: frozenset[torch.dtype], d
 
 
 def precision_plan(
-    precision: str | None,
+    precision: Precision | PrecisionName | None,
     dtype: torch.dtype,
     strategy: str,
     dp_size: int,
@@ -105,7 +115,7 @@ def precision_plan(
     plan then describes. A ``precision`` whose dtypes those options contradict raises
     :class:`InvalidSetupError` here, so ``plan()`` refuses it as the load would.
     """
-    _require_known(precision)
+    precision = _member(precision)
     with_precision = None if dp_size == 1 else strategy_entry(strategy).mixed_precision_options
     if precision is None:
         compute, reduce = getattr(options, "param_dtype", None), getattr(options, "reduce_dtype", None)
@@ -113,34 +123,34 @@ def precision_plan(
             return PrecisionPlan("the strategy's own dtypes", dtype, compute or dtype, reduce or dtype, "fully_shard")
         name = f"{_DTYPE_NAMES[dtype]} (no precision given: {dtype_reason})"
         return PrecisionPlan(name, dtype, dtype, dtype, "none")
-    if precision == "bf16-mixed":
+    if precision is Precision.BF16_MIXED:
         cast_by: Literal["none", "fully_shard", "autocast"] = "fully_shard" if with_precision else "autocast"
-        plan = PrecisionPlan(precision, torch.float32, torch.bfloat16, torch.float32, cast_by)
+        plan = PrecisionPlan(precision.value, torch.float32, torch.bfloat16, torch.float32, cast_by)
     else:
-        stored = torch.float32 if precision == "fp32" else torch.bfloat16
-        plan = PrecisionPlan(precision, stored, stored, stored, "none")
+        stored = torch.float32 if precision is Precision.FP32 else torch.bfloat16
+        plan = PrecisionPlan(precision.value, stored, stored, stored, "none")
     if with_precision is not None and options is not None:  # the strategy's own dtypes must agree
         with_precision(options, plan.compute_dtype, plan.reduce_dtype)
     return plan
 
 
-def parameter_dtype(precision: str | None, dtype: torch.dtype | None) -> torch.dtype | None:
+def parameter_dtype(precision: Precision | PrecisionName | None, dtype: torch.dtype | None) -> torch.dtype | None:
     """The dtype parameters are built in: ``precision``'s, checked against an explicit ``dtype``
     (``None`` when neither decides, so the checkpoint's or config's dtype is used)."""
-    _require_known(precision)
+    precision = _member(precision)
     if precision is None:
         return dtype
-    stored = torch.bfloat16 if precision == "bf16" else torch.float32
+    stored = torch.bfloat16 if precision is Precision.BF16 else torch.float32
     if dtype is not None and dtype != stored:
         raise InvalidSetupError(
-            f"precision={precision!r} keeps parameters in {stored}, but dtype={dtype} was passed: drop one of them"
+            f"precision={precision.value!r} keeps parameters in {stored}, but dtype={dtype} was passed: "
+            "drop one of them"
         )
     return stored
 
 
-def _require_known(precision: str | None) -> None:
-    if precision is not None and precision not in PRECISIONS:
-        raise InvalidSetupError(f"precision={precision!r}: choose one of {list(PRECISIONS)}")
+def _member(precision: Precision | PrecisionName | None) -> Precision | None:
+    return None if precision is None else Precision.parse(precision, "precision")
 
 
 def strategy_options(plan: PrecisionPlan, strategy: str, options: Any) -> Any:

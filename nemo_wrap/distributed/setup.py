@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from nemo_wrap.distributed.collectives import RankGroup
-from nemo_wrap.distributed.degrees import ParallelDegrees, derive_degrees, describe_mesh
-from nemo_wrap.distributed.pipeline.layout import PipelineOptions
+from nemo_wrap.distributed.degrees import MeshDim, ParallelDegrees, derive_degrees, describe_mesh
+from nemo_wrap.distributed.pipeline.layout import PipelineOptions, PipelineSchedule
 from nemo_wrap.distributed.strategies import StrategyEntry, strategy_entry
 from nemo_wrap.distributed.strategies.registry import SINGLE_PROCESS, NoOptions
 from nemo_wrap.errors import DistributedStateError, InvalidSetupError, UnsupportedSetupError
@@ -92,8 +92,8 @@ class DistributedSetup:
         given["dp_replicate_size"] = dp_replicate_size
         degrees = derive_degrees(world_size, given, entry.degrees, entry.name)
         split = None if pp_layer_split is None else tuple(pp_layer_split)
-        pipeline = PipelineOptions(pp_schedule, split)
-        pipeline.check(degrees.pp)
+        PipelineOptions(pp_schedule, split).check(degrees.pp)
+        pipeline = PipelineOptions(PipelineSchedule(pp_schedule), split)
         return cls(entry.name, degrees, _build_options(entry, options), pipeline)
 
     @classmethod
@@ -195,44 +195,33 @@ class DistributedSetup:
             lines.append(f"pipeline schedule {self.pipeline.schedule} (torch.distributed.pipelining), {split}")
         return lines + self.degrees.describe_usage()
 
-    def check_buildable(self) -> None:
-        """Refuse, before any work, the combinations a model cannot be loaded with yet."""
-        degrees = self.degrees
-        others = {"pp_size": (degrees.pp, "pipeline"), "cp_size": (degrees.cp, "context")}
-        for argument, (size, kind) in others.items():
-            if degrees.ep > 1 and size > 1:
-                raise UnsupportedSetupError(
-                    f"ep_size={degrees.ep} with {argument}={size}: expert parallel does not compose with "
-                    f"{kind} parallel here yet; use {argument}=1 or ep_size=1"
-                )
-
     def dp_rank(self) -> int:
         """This rank's place among the data-parallel ranks (0 … dp_size - 1): where data loaders,
         train_step, evaluate and the SFT recipe take their share."""
-        return self.device_mesh()["dp"].get_local_rank() if self.dp_size > 1 else 0
+        return self.device_mesh()[MeshDim.DP].get_local_rank() if self.dp_size > 1 else 0
 
     def dp_group(self) -> dist.ProcessGroup | None:
         """The data-parallel process group (losses and token counts are summed there), or None."""
-        return self.device_mesh()["dp"].get_group() if self.dp_size > 1 else None
+        return self.device_mesh()[MeshDim.DP].get_group() if self.dp_size > 1 else None
 
     def cp_rank(self) -> int:
         """This rank's place in its context-parallel group (which part of each sequence it keeps)."""
-        return self.device_mesh()["cp"].get_local_rank() if self.degrees.cp > 1 else 0
+        return self.device_mesh()[MeshDim.CP].get_local_rank() if self.degrees.cp > 1 else 0
 
     def cp_group(self) -> dist.ProcessGroup | None:
         """The context-parallel group (its ranks see the same batch, each a part of every sequence)."""
-        return self.device_mesh()["cp"].get_group() if self.degrees.cp > 1 else None
+        return self.device_mesh()[MeshDim.CP].get_group() if self.degrees.cp > 1 else None
 
     def loss_group(self) -> dist.ProcessGroup | None:
         """Where per-rank token-loss sums add up to the batch's: dp, times cp (each cp rank holds a
         part of every sequence's tokens)."""
         if self.degrees.cp == 1:
             return self.dp_group()
-        return self.device_mesh()["dp_cp"].get_group()
+        return self.device_mesh()[MeshDim.DP_CP].get_group()
 
     def pp_rank(self) -> int:
         """This rank's pipeline stage (0 … pp_size - 1); 0 without pipeline parallel."""
-        return self.device_mesh()["pp"].get_local_rank() if self.degrees.pp > 1 else 0
+        return self.device_mesh()[MeshDim.PP].get_local_rank() if self.degrees.pp > 1 else 0
 
     # -- the meshes, made on first use ---------------------------------------------------------
     def expert_mesh(self) -> DeviceMesh:
@@ -250,7 +239,7 @@ class DistributedSetup:
     def expert_sharding_mesh(self) -> DeviceMesh:
         """Where FSDP shards a run of experts: ``efsdp`` (with ``dp_replicate`` under HSDP)."""
         mesh = self.expert_mesh()
-        return mesh["dp_replicate", "efsdp"] if self.degrees.dp_replicate > 1 else mesh["efsdp"]
+        return mesh[MeshDim.DP_REPLICATE, MeshDim.EFSDP] if self.degrees.dp_replicate > 1 else mesh[MeshDim.EFSDP]
 
     def device_mesh(self) -> DeviceMesh:
         """The device mesh for this setup, created once per process group.
@@ -282,12 +271,12 @@ def _flatten_joined_dims(mesh: DeviceMesh, names: tuple[str, ...]) -> None:
     """Name the joined dims torch's (torchtitan's) way, ``_flatten``: ``dp`` (data is dealt there)
     from ``dp_replicate × dp_shard``; with context parallel, ``dp_cp`` (losses add up there) and
     the dims FSDP shards over, ``dp_shard_cp`` (HSDP) — FSDP shards over dp_shard × cp."""
-    if "dp_replicate" in names:
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    if "cp" not in names:
+    if MeshDim.DP_REPLICATE in names:
+        mesh[MeshDim.DP_REPLICATE, MeshDim.DP_SHARD]._flatten(MeshDim.DP)
+    if MeshDim.CP not in names:
         return
-    if "dp_replicate" in names:
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    if MeshDim.DP_REPLICATE in names:
+        mesh[MeshDim.DP_SHARD, MeshDim.CP]._flatten(MeshDim.DP_SHARD_CP)
+        mesh[MeshDim.DP_REPLICATE, MeshDim.DP_SHARD, MeshDim.CP]._flatten(MeshDim.DP_CP)
     else:
-        mesh["dp", "cp"]._flatten("dp_cp")
+        mesh[MeshDim.DP, MeshDim.CP]._flatten(MeshDim.DP_CP)

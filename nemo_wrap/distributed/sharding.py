@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from nemo_wrap.distributed.degrees import MeshDim
 from nemo_wrap.distributed.expert_parallel import ExpertLayout, apply_expert_parallel
 from nemo_wrap.distributed.precision import PrecisionPlan, strategy_options
 from nemo_wrap.distributed.setup import DistributedSetup
@@ -43,11 +44,11 @@ def shard_model(
     entry = setup.entry
     mesh = setup.device_mesh()
     if setup.uses_tensor_parallel:
-        apply_tensor_parallel(model, mesh["tp"], tp_plan)
+        apply_tensor_parallel(model, mesh[MeshDim.TP], tp_plan)
     options = setup.options if precision is None else strategy_options(precision, setup.strategy, setup.options)
     if experts is not None:
         assert entry.shard_experts is not None  # build() gives ep > 1 only to strategies that take it
-        modules = apply_expert_parallel(model, experts, setup.expert_mesh()["ep"], mesh["tp"])
+        modules = apply_expert_parallel(model, experts, setup.expert_mesh()[MeshDim.EP], mesh[MeshDim.TP])
         entry.shard_experts(modules, setup.expert_sharding_mesh(), options, setup.dp_size)
     wrapped = entry.apply(model if root is None else root, mesh, options)
     return wrapped if root is None else model

@@ -17,7 +17,7 @@ import torch
 from peft import LoraConfig
 from transformers import BitsAndBytesConfig
 
-from nemo_wrap.distributed.precision import Precision
+from nemo_wrap.distributed.precision import Precision, PrecisionName
 from nemo_wrap.errors import InvalidSetupError
 
 _FLAGS = ("strict", "verify", "force_hf", "allow_pickle", "compile")
@@ -51,7 +51,7 @@ class LoadOptions:
     seed: int | None = None
     peft_config: LoraConfig | None = None
     adapter: str | Path | None = None
-    precision: Precision | None = None
+    precision: Precision | PrecisionName | None = None  # a word is held as its member
     compile: bool = False
     quantization_config: BitsAndBytesConfig | None = None
     config_overrides: tuple[tuple[str, Any], ...] = ()
@@ -60,6 +60,8 @@ class LoadOptions:
         for flag in _FLAGS:
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidSetupError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.precision is not None:  # a word of the vocabulary, held as its member
+            object.__setattr__(self, "precision", Precision.parse(self.precision, "precision"))
         if self.peft_config is not None and self.adapter is not None:
             raise InvalidSetupError(
                 "from_pretrained: pass peft_config (new adapters) or adapter (a directory), not both"

@@ -10,9 +10,20 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import ClassVar
 
 from nemo_wrap.errors import summarize
 from nemo_wrap.loading.plan import LoadPlan
+from nemo_wrap.vocabulary import Vocabulary
+
+
+class ProvenanceKind(Vocabulary):
+    """The four things a tensor's values can be, one per provenance class (its ``kind``)."""
+
+    CHECKPOINT = "checkpoint"
+    TIED = "tied"
+    INITIALIZED = "initialized"
+    MISSING = "missing"
 
 
 @dataclass(frozen=True)
@@ -21,7 +32,7 @@ class Loaded:
     keys: tuple[str, ...]
     transform: str  # "identity", or the adapter's fusion
 
-    kind = "checkpoint"
+    kind: ClassVar[ProvenanceKind] = ProvenanceKind.CHECKPOINT
 
     def describe(self) -> str:
         via = "" if self.transform == "identity" else f" ({self.transform})"
@@ -32,7 +43,7 @@ class Loaded:
 class Tied:
     source: str
 
-    kind = "tied"
+    kind: ClassVar[ProvenanceKind] = ProvenanceKind.TIED
 
     def describe(self) -> str:
         return f"tied to {self.source}"
@@ -43,7 +54,7 @@ class Initialized:
     rule: str
     reason: str
 
-    kind = "initialized"
+    kind: ClassVar[ProvenanceKind] = ProvenanceKind.INITIALIZED
 
     def describe(self) -> str:
         return f"{self.rule}: {self.reason}"
@@ -53,7 +64,7 @@ class Initialized:
 class Missing:
     expected_keys: tuple[str, ...]
 
-    kind = "missing"
+    kind: ClassVar[ProvenanceKind] = ProvenanceKind.MISSING
 
     def describe(self) -> str:
         return f"not in the checkpoint (looked for {', '.join(self.expected_keys)})"
@@ -72,11 +83,11 @@ class LoadReport:
     bytes_read: int = 0
     verified: bool | None = None  # None: verify=False
 
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> dict[ProvenanceKind, int]:
         counted = Counter(p.kind for p in self.provenance.values())
-        return {kind: counted.get(kind, 0) for kind in ("checkpoint", "tied", "initialized", "missing")}
+        return {kind: counted.get(kind, 0) for kind in ProvenanceKind}
 
-    def names(self, kind: str) -> list[str]:
+    def names(self, kind: ProvenanceKind) -> list[str]:
         return [name for name, p in self.provenance.items() if p.kind == kind]
 
     def rows(self) -> list[tuple[str, str, str]]:

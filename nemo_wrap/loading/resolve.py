@@ -6,11 +6,12 @@ Every choice a load makes and every refusal it can make before touching a weight
 same plan with no collective, ``plan()`` refuses exactly what a load refuses, with the same error,
 and the executor (:class:`nemo_wrap.auto.pipeline.LoadPipeline`) only performs the plan's steps.
 
-What it decides, in the order it refuses: the config and setup can be built; the checkpoint's keys
+What it decides, in the order it refuses: the config can be built and what the load combines
+composes (:mod:`nemo_wrap.distributed.combinations`, the one table of that); the checkpoint's keys
 fit the config and can be mapped; the family takes the pipeline, context, expert and tensor
 parallelism asked for (the tensor-parallel plan, experts dropped from it under expert parallel);
-the parameters' dtype and the precision; the pipeline stages; compile and LoRA options; 4-bit
-layers; and then the steps, in the order they run.
+the parameters' dtype and the precision; the pipeline stages; LoRA options; 4-bit settings; and
+then the steps, in the order they run.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from nemo_wrap.distributed.context_parallel import check_context_parallel_supported
+from nemo_wrap.distributed.combinations import Feature, refuse_unsupported, setup_arguments
 from nemo_wrap.distributed.expert_parallel import ExpertLayout, expert_layout
 from nemo_wrap.distributed.pipeline import StageLayout, stage_layouts
-from nemo_wrap.distributed.pipeline.stage_model import check_family_pipelinable
 from nemo_wrap.distributed.precision import (
     DtypeChoice,
+    Precision,
     PrecisionPlan,
     default_parameter_dtype,
     parameter_dtype,
@@ -38,7 +39,8 @@ from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import Adapters, LoadPlan, Step
 from nemo_wrap.models.config_checks import check_config_sizes, check_layer_count
 from nemo_wrap.models.lora import lora_settings
-from nemo_wrap.models.quantized.settings import QuantizationSettings, check_composes, quantization_settings
+from nemo_wrap.models.parallel_support import check_context_parallel_supported, check_pipelinable
+from nemo_wrap.models.quantized.settings import quantization_settings
 from nemo_wrap.models.registry import ModelSource
 
 # The dtypes a model can be built and trained in (torch's default dtype takes only these).
@@ -81,11 +83,10 @@ def resolve_load_plan(request: LoadRequest) -> LoadPlan:
     tp_plan = _tensor_parallel_plan(request, experts)
     precision = _precision(request)
     stages = _pipeline_stages(request.config, setup)
-    _check_compile(options.compile, setup.tp_size)
     if options.peft_config is not None:
         lora_settings(options.peft_config)  # refuses what it does not implement, before anything is built
     has_checkpoint = request.checkpoint is not None
-    quantization = _quantization(options, setup, has_checkpoint)
+    quantization = None if options.quantization_config is None else quantization_settings(options.quantization_config)
     adapters = _adapters(options)
     return LoadPlan(
         model_class=source.model_class.__name__,
@@ -108,14 +109,14 @@ def _refuse_what_cannot_load(request: LoadRequest) -> ExpertLayout | None:
     """The refusals that need neither a dtype nor options; the expert layout (None without ep)."""
     source, config, setup = request.source, request.config, request.setup
     check_config_sizes(config)
-    setup.check_buildable()
+    refuse_unsupported(source.model_class.__name__, _load_arguments(request))
     if request.checkpoint is not None:
         check_layer_count(config, source.model_class, request.checkpoint.keys)
         source.spec.check_checkpoint_keys(source.architecture, config.model_type)
     if setup.degrees.pp > 1:
-        check_family_pipelinable(config.model_type, source.model_class.__name__)
+        check_pipelinable(config.model_type, source.model_class.__name__)
     if setup.degrees.cp > 1:
-        check_context_parallel_supported(config, source.is_custom, source.model_class.__name__, setup.degrees.pp)
+        check_context_parallel_supported(config, source.is_custom, source.model_class.__name__)
     return expert_layout(config, source.model_class, setup.degrees)
 
 
@@ -136,7 +137,12 @@ def _precision(request: LoadRequest) -> PrecisionPlan:
     setup = request.setup
     parameters = _parameter_dtype(request)
     return precision_plan(
-        request.options.precision, parameters.dtype, setup.strategy, setup.dp_size, setup.options, parameters.reason
+        request.options.precision,
+        parameters.dtype,
+        setup.strategy,
+        setup.dp_size,
+        setup.options,
+        parameters.reason,
     )
 
 
@@ -183,22 +189,16 @@ def _pipeline_stages(config: PretrainedConfig, setup: DistributedSetup) -> tuple
     return stage_layouts(config.num_hidden_layers, setup.degrees.pp, setup.pipeline.layer_split, tied)
 
 
-def _check_compile(compile_layers: bool, tp_size: int) -> None:
-    """Compiled layers are refused with tensor parallel: on torch 2.13 a compiled layer of DTensors
-    hands plain-tensor gradients to DTensor's redistribute backward, which fails (measured on gloo)."""
-    if compile_layers and tp_size > 1:
-        raise InvalidSetupError(
-            f"compile=True with tp_size={tp_size}: compiled decoder layers do not compose with tensor "
-            "parallel on this torch (DTensor's backward receives plain tensors); use compile=False or tp_size=1"
-        )
-
-
-def _quantization(options: LoadOptions, setup: DistributedSetup, has_checkpoint: bool) -> QuantizationSettings | None:
-    if options.quantization_config is None:
-        return None
-    settings = quantization_settings(options.quantization_config)
-    check_composes(setup, options.precision, options.compile, has_checkpoint)
-    return settings
+def _load_arguments(request: LoadRequest) -> dict[Feature, str]:
+    """What the load combines, for the combination table: the setup's features and the options'."""
+    options = request.options
+    asked = {
+        Feature.FOUR_BIT: ("quantization_config", options.quantization_config is not None),
+        Feature.FROM_CONFIG: ("from_config", request.checkpoint is None),
+        Feature.BF16_MIXED: ("precision='bf16-mixed'", options.precision == Precision.BF16_MIXED),
+        Feature.COMPILE: ("compile=True", options.compile),
+    }
+    return setup_arguments(request.setup) | {feature: name for feature, (name, used) in asked.items() if used}
 
 
 def _adapters(options: LoadOptions) -> Adapters | None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_wrap.distributed import PRECISIONS
+from nemo_wrap.distributed.pipeline import SCHEDULES
 from nemo_wrap.distributed.strategies import strategy_names
 from nemo_wrap.recipes.trackers import REPORT_TO_NAMES
 
@@ -68,7 +69,7 @@ class DistributedSection:
     cp_size: int = option(1, "context-parallel degree (fsdp2)", "--cp-size", _positive)
     pp_size: int = option(1, "pipeline-parallel stages (fsdp2)", "--pp-size", _positive)
     ep_size: int = option(1, "expert-parallel degree of MoE layers (fsdp2)", "--ep-size", _positive)
-    pp_schedule: str = option("1f1b", "pipeline schedule: 1f1b | gpipe", "--pp-schedule", _one_of("1f1b", "gpipe"))
+    pp_schedule: str = option("1f1b", "pipeline schedule: 1f1b | gpipe", "--pp-schedule", _one_of(*SCHEDULES))
     max_restarts: int = option(
         0,
         "restarts of every rank after one fails (with --nproc; add --resume auto)",

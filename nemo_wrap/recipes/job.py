@@ -9,7 +9,7 @@ CLI goes through these functions, so a recipe means the same thing to ``finetune
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from nemo_wrap.checkpoint.atomic import write_text_atomically
 from nemo_wrap.distributed import DistributedSetup
@@ -96,7 +96,7 @@ def load_options(recipe: Recipe, **options: Any) -> LoadOptions:
     """The load request of the recipe: precision and 4-bit quantization, plus what the command adds."""
     from nemo_wrap.loading.options import LoadOptions
 
-    precision = cast(Precision | None, recipe.load.precision)  # one of PRECISIONS: checked by the recipe
+    precision = None if recipe.load.precision is None else Precision.parse(recipe.load.precision, "load.precision")
     return LoadOptions(precision=precision, quantization_config=_quantization(recipe), **options)
 
 
@@ -112,7 +112,7 @@ def _quantization(recipe: Recipe) -> Any:
         load_in_4bit=True,
         bnb_4bit_quant_type=recipe.load.quantization,
         bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16 if recipe.load.precision == "bf16" else torch.float32,
+        bnb_4bit_compute_dtype=torch.bfloat16 if recipe.load.precision == Precision.BF16 else torch.float32,
     )
 
 

@@ -31,6 +31,7 @@ from nemo_wrap.checkpoint.rotation import CheckpointRotation, resolve_resume
 from nemo_wrap.data import DataParallelBatches, as_rows, load_rows, prepare_examples
 from nemo_wrap.default_model import bundled_corpus
 from nemo_wrap.distributed.collectives import RankGroup
+from nemo_wrap.distributed.combinations import Feature, refusals, setup_arguments
 from nemo_wrap.distributed.env import peers_must_answer
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import InvalidSetupError, PreemptedError
@@ -180,8 +181,9 @@ def _step_function(
     settings = config.distillation
     if settings is None:
         return lambda micro_batches: train_step(model, optimizer, micro_batches, max_grad_norm=config.max_grad_norm)
-    # Plain DDP wraps only modules that train: a frozen teacher is held whole on each rank instead.
-    whole = not setup.entry.shards_frozen_models and not setup.uses_tensor_parallel
+    # Where the table refuses a frozen teacher under the student's setup (plain DDP wraps only
+    # modules that train), the teacher is held whole on each rank instead.
+    whole = bool(refusals({Feature.FROZEN_TEACHER, *setup_arguments(setup)}))
     teacher = freeze_teacher(
         NeMoAutoModelForCausalLM.from_pretrained(
             settings.teacher,

@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nemo_wrap.errors import InvalidSetupError, UnsupportedSetupError
+from nemo_wrap.distributed.combinations import Feature, refuse_unsupported, setup_arguments
+from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.loading.model_state import setup_of
 from nemo_wrap.training.accumulation import no_gradient_sync
 from nemo_wrap.training.step import (
@@ -162,22 +163,11 @@ def _micro_batch_losses(
 
 
 def _check_supported(student: nn.Module, teacher: nn.Module) -> None:
-    """Refuse, before any collective, a pipelined or context-parallel model, a teacher under DDP's
-    ``replicate`` and a vocabulary mismatch."""
-    for role, model in (("student", student), ("teacher", teacher)):
-        degrees = setup_of(model).degrees
-        if degrees.pp > 1 or degrees.cp > 1:
-            raise UnsupportedSetupError(
-                f"distillation_step: the {role} is sharded with pp_size={degrees.pp}, cp_size={degrees.cp}; "
-                "the KD loss needs each row's whole logits on its rank: use pp_size=1 and cp_size=1"
-            )
-    teacher_setup = setup_of(teacher)
-    if not teacher_setup.entry.shards_frozen_models and not teacher_setup.uses_tensor_parallel:
-        raise UnsupportedSetupError(
-            f"distillation_step: the teacher is replicated by {teacher_setup.strategy.upper()} (strategy "
-            f"{teacher_setup.strategy!r}), whose first forward wants parameters that take gradients; a teacher takes "
-            "none, and there every rank holds the whole model anyway: load the teacher with distributed_setup=None"
-        )
+    """Refuse, before any collective, what the combination table refuses of either model's layout
+    (a teacher adds :attr:`Feature.FROZEN_TEACHER`), and a vocabulary mismatch."""
+    refuse_unsupported("distillation_step", setup_arguments(setup_of(student)) | {Feature.DISTILLATION: "the student"})
+    teacher_roles = dict.fromkeys((Feature.DISTILLATION, Feature.FROZEN_TEACHER), "the teacher")
+    refuse_unsupported("distillation_step", setup_arguments(setup_of(teacher)) | teacher_roles)
     student_vocab, teacher_vocab = student.config.vocab_size, teacher.config.vocab_size  # type: ignore[union-attr]
     if student_vocab != teacher_vocab:
         raise InvalidSetupError(

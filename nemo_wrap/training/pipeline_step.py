@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from nemo_wrap.distributed.pipeline.layout import PipelineSchedule
 from nemo_wrap.distributed.pipeline.runtime import PipelineRuntime
 from nemo_wrap.errors import InvalidModelInputError, InvalidSetupError
 from nemo_wrap.initialization.geometry import local_shard
@@ -30,7 +31,7 @@ _PADDING = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
 def check_micro_batch_count(runtime: PipelineRuntime, count: int) -> None:
     """1F1B needs at least one micro-batch per stage: refused before any collective."""
     stages = runtime.layout.stages
-    if runtime.schedule == "1f1b" and count < stages:
+    if runtime.schedule is PipelineSchedule.ONE_F_ONE_B and count < stages:
         raise InvalidSetupError(
             f"train_step: {count} micro-batch(es) with pp_schedule='1f1b' over pp_size={stages} stages; 1F1B needs "
             f"at least {stages} (pass more micro-batches, or build the setup with pp_schedule='gpipe')"

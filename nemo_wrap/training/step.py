@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nemo_wrap.distributed.combinations import Feature, refuse_unsupported, setup_arguments
 from nemo_wrap.distributed.setup import DistributedSetup
-from nemo_wrap.errors import UnsupportedSetupError
 from nemo_wrap.loading.model_state import pipeline_of, setup_of
 from nemo_wrap.training.accumulation import no_gradient_sync
 from nemo_wrap.training.clipping import clip_grad_norm_
@@ -171,13 +171,7 @@ def logits_and_router_loss(
 
 
 def _check_router_loss_supported(model: nn.Module, setup: DistributedSetup) -> None:
-    """The load-balancing loss of the global batch is built for data, tensor and expert parallel;
-    a pipeline stage or a context-parallel part holds only some of its routers' tokens."""
-    if not adds_router_loss(model):
-        return
-    degrees = setup.degrees
-    if degrees.pp > 1 or degrees.cp > 1:
-        raise UnsupportedSetupError(
-            f"train_step: {type(model).__name__} sets output_router_logits=True (a load-balancing loss), which "
-            f"is not built for pp_size={degrees.pp} / cp_size={degrees.cp}; load it with output_router_logits=False"
-        )
+    """A model that adds a load-balancing loss, against the combination table."""
+    if adds_router_loss(model):
+        router = {Feature.ROUTER_LOSS: f"{type(model).__name__}'s output_router_logits=True"}
+        refuse_unsupported("train_step", setup_arguments(setup) | router)

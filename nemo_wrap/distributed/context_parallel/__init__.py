@@ -9,7 +9,6 @@ transformers' attention interface and in our fused classes.
 from nemo_wrap.distributed.context_parallel.attention import (
     CONTEXT_PARALLEL_ATTENTION,
     attend_across_split,
-    check_context_parallel_supported,
     register_context_parallel_attention,
 )
 from nemo_wrap.distributed.context_parallel.sequence_split import SequenceSplit, active_split
@@ -19,6 +18,5 @@ __all__ = [
     "SequenceSplit",
     "active_split",
     "attend_across_split",
-    "check_context_parallel_supported",
     "register_context_parallel_attention",
 ]

@@ -184,19 +184,3 @@ def _context_parallel_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     for this rank's part alone (its positions jump between chunks, which reads as packed rows) would
     cost ``(L/C)²`` for nothing."""
     return None if active_split() is not None else sdpa_mask(*args, **kwargs)
-
-
-def check_context_parallel_supported(config: Any, is_custom: bool, class_name: str, pp_size: int) -> None:
-    """Refuse by name, before anything is built, what the context-parallel attention cannot take."""
-    text = config.get_text_config()
-    if getattr(text, "attn_logit_softcapping", None) is not None:
-        raise UnsupportedModelError(
-            f"{class_name}: attention logit soft-capping (attn_logit_softcapping) is not built under context parallel"
-        )
-    if is_custom and "sliding_attention" in (getattr(text, "layer_types", None) or ()):
-        raise UnsupportedModelError(
-            f"{class_name}: our fused class with sliding-window layers is not built under context parallel; "
-            "load with force_hf=True (transformers' class passes its window to the attention)"
-        )
-    if pp_size > 1:
-        raise UnsupportedModelError(f"{class_name}: cp_size > 1 with pp_size > 1 is not built; choose one of them")

@@ -12,9 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.vocabulary import Vocabulary
 
-# torch.distributed.pipelining's single-stage-per-rank schedules, by the names users pass
-SCHEDULES = ("1f1b", "gpipe")
+
+class PipelineSchedule(Vocabulary):
+    """torch.distributed.pipelining's single-stage-per-rank schedules, by the names users pass."""
+
+    ONE_F_ONE_B = "1f1b"  # Schedule1F1B: the default, fewer micro-batches in flight
+    GPIPE = "gpipe"  # ScheduleGPipe: all forwards, then all backwards
+
+
+SCHEDULES = PipelineSchedule.words()
 # Schedules that run several stages per rank (torch's interleaved, looped and zero-bubble ones):
 # reported to hang on non-NCCL backends in torch's tracker, and not built here.
 _REFUSED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
@@ -28,7 +36,7 @@ class PipelineOptions:
     whether it covers the model's layers is checked against the config, at plan and load time.
     """
 
-    schedule: str = "1f1b"
+    schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B  # held as a member once built
     layer_split: tuple[int, ...] | None = None
 
     def check(self, pp_size: int) -> None:

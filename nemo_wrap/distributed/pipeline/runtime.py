@@ -17,10 +17,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from nemo_wrap.distributed.collectives import collective_device
-from nemo_wrap.distributed.pipeline.layout import StageLayout
+from nemo_wrap.distributed.pipeline.layout import PipelineSchedule, StageLayout
 from nemo_wrap.distributed.pipeline.stage_model import PipelineStageModule
 
-_SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+_SCHEDULE_CLASSES = {PipelineSchedule.GPIPE: ScheduleGPipe, PipelineSchedule.ONE_F_ONE_B: Schedule1F1B}
 LossFunction = Callable[..., torch.Tensor]
 
 
@@ -35,7 +35,7 @@ class PipelineRuntime:
       tied input embedding (their gradients for it are summed), else ``None``.
     """
 
-    schedule: str
+    schedule: PipelineSchedule
     module: PipelineStageModule
     stage_ranks: tuple[tuple[int, ...], ...]
     group: dist.ProcessGroup
@@ -56,13 +56,17 @@ class PipelineRuntime:
         if key not in self._schedules:
             device = collective_device()
             stage = PipelineStage(self.module, self.layout.index, self.layout.stages, device, group=self.group)
-            name = self.schedule if loss_fn is not None else "gpipe"
+            name = self.schedule if loss_fn is not None else PipelineSchedule.GPIPE
             self._schedules[key] = _SCHEDULE_CLASSES[name](stage, micro_batches, loss_fn=loss_fn, scale_grads=False)
         return self._schedules[key]
 
 
 def build_runtime(
-    module: PipelineStageModule, schedule: str, mesh_ranks: torch.Tensor, pp_group: dist.ProcessGroup, tied: bool
+    module: PipelineStageModule,
+    schedule: PipelineSchedule | str,
+    mesh_ranks: torch.Tensor,
+    pp_group: dist.ProcessGroup,
+    tied: bool,
 ) -> PipelineRuntime:
     """Create the stage's groups (collectively: every rank creates every group, in one order)."""
     stages = mesh_ranks.shape[0]
@@ -78,4 +82,4 @@ def build_runtime(
             created = dist.new_group([first, last])
             tie_group = created if rank in (first, last) else tie_group
     assert stage_group is not None  # every rank is in one stage
-    return PipelineRuntime(schedule, module, tuple(per_stage), pp_group, stage_group, tie_group)
+    return PipelineRuntime(PipelineSchedule(schedule), module, tuple(per_stage), pp_group, stage_group, tie_group)

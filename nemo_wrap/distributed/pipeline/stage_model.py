@@ -27,21 +27,6 @@ from transformers import PreTrainedModel
 from nemo_wrap.distributed.pipeline.layout import StageLayout
 from nemo_wrap.errors import PipelineUsageError, UnsupportedModelError
 
-# Families whose backbone forward multiplies inputs_embeds (an embedding multiplier outside the
-# embedding module): under pipeline parallel every stage's received hidden states would be scaled.
-_RESCALES_INPUTS_EMBEDS = frozenset(
-    {
-        "granite",
-        "granitemoe",
-        "granitemoeshared",
-        "granitemoehybrid",
-        "granite_swa",
-        "granitemoe_swa",
-        "hyperclovax",
-        "hrm_text",
-    }
-)
-
 
 class LayerOnAnotherStage(nn.Module):
     """Stands in for a decoder layer another stage holds: its input passes through unchanged."""
@@ -75,7 +60,8 @@ class ModuleOnAnotherStage(nn.Module):
 
 def check_pipeline_supported(model: PreTrainedModel) -> None:
     """Raise :class:`UnsupportedModelError` naming what a family's structure lacks for pipeline stages
-    (its model type was checked with :func:`check_family_pipelinable` before anything was built)."""
+    (its family was checked by :func:`nemo_wrap.models.parallel_support.check_pipelinable` before
+    anything was built)."""
     backbone: Any = model.base_model
     missing = [
         f"{type(backbone).__name__}.{name}"
@@ -88,15 +74,6 @@ def check_pipeline_supported(model: PreTrainedModel) -> None:
         raise UnsupportedModelError(
             f"{type(model).__name__}: pipeline parallel needs transformers' decoder layout "
             f"(<backbone>.layers as a ModuleList, .embed_tokens, .norm, lm_head); missing {missing or ['layers list']}"
-        )
-
-
-def check_family_pipelinable(model_type: str, class_name: str) -> None:
-    """Raise :class:`UnsupportedModelError` for a family whose backbone rescales ``inputs_embeds``."""
-    if model_type in _RESCALES_INPUTS_EMBEDS:
-        raise UnsupportedModelError(
-            f"{class_name} (model_type={model_type!r}): its backbone rescales inputs_embeds, so every "
-            "pipeline stage would scale its received hidden states again; pipeline parallel is refused for it"
         )
 
 

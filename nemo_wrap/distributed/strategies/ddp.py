@@ -21,6 +21,8 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_sharded_parameters
 from torch.distributed.device_mesh import DeviceMesh
 
+from nemo_wrap.distributed.combinations import Feature
+from nemo_wrap.distributed.degrees import MeshDim
 from nemo_wrap.distributed.modules import decoder_layers
 from nemo_wrap.distributed.strategies.registry import StrategyEntry, always_available, register_strategy
 
@@ -33,10 +35,10 @@ class DDPOptions:
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, options: DDPOptions) -> nn.Module:
     """Replicate ``model`` over the mesh's ``dp`` dimension (after any tensor parallel on ``tp``)."""
     names = mesh.mesh_dim_names or ()
-    if "tp" in names and mesh["tp"].size() > 1:
+    if MeshDim.TP in names and mesh[MeshDim.TP].size() > 1:
         for layer in decoder_layers(model):
-            replicate_sharded_parameters(layer, mesh=mesh["dp"])
-        replicate_sharded_parameters(model, mesh=mesh["dp"])
+            replicate_sharded_parameters(layer, mesh=mesh[MeshDim.DP])
+        replicate_sharded_parameters(model, mesh=mesh[MeshDim.DP])
         return model
     replicate(model, device_mesh=mesh)  # the 1-D dp mesh
     return model
@@ -50,8 +52,7 @@ DDP = register_strategy(
         shards_parameters=False,
         apply=apply_ddp,
         check_available=always_available,
-        degrees=("tp",),
-        holds_4bit_layers=True,
-        shards_frozen_models=False,  # replicate's first forward wants parameters that take gradients
+        degrees=(MeshDim.TP,),
+        traits=frozenset({Feature.REPLICATED}),
     )
 )

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from nemo_wrap.distributed.degrees import MeshDim
 from nemo_wrap.distributed.modules import decoder_layers
 from nemo_wrap.distributed.strategies.registry import StrategyEntry, always_available, register_strategy
 from nemo_wrap.errors import InvalidSetupError
@@ -88,9 +89,9 @@ def shard_experts(
 def _sharding_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     """The dims FSDP shards over: dp — times cp under context parallel (each cp rank computes
     gradients for every parameter from its part of the sequence) — and HSDP's 2-D form."""
-    if "cp" in names:
-        return mesh["dp_replicate", "dp_shard_cp"] if "dp_replicate" in names else mesh["dp_cp"]
-    return mesh["dp_replicate", "dp_shard"] if "dp_replicate" in names else mesh["dp"]
+    if MeshDim.CP in names:
+        return mesh[MeshDim.DP_REPLICATE, MeshDim.DP_SHARD_CP] if MeshDim.DP_REPLICATE in names else mesh[MeshDim.DP_CP]
+    return mesh[MeshDim.DP_REPLICATE, MeshDim.DP_SHARD] if MeshDim.DP_REPLICATE in names else mesh[MeshDim.DP]
 
 
 def with_mixed_precision(options: FSDP2Options, compute_dtype: torch.dtype, reduce_dtype: torch.dtype) -> FSDP2Options:
@@ -112,12 +113,11 @@ FSDP2 = register_strategy(
         options_class=FSDP2Options,
         shards_on_meta=True,
         shards_parameters=True,
-        degrees=("tp", "dp_replicate", "cp", "pp", "ep"),
-        kept_mesh_dims=("tp",),
+        degrees=(MeshDim.TP, MeshDim.DP_REPLICATE, MeshDim.CP, MeshDim.PP, MeshDim.EP),
+        kept_mesh_dims=(MeshDim.TP,),
         apply=apply_fsdp2,
         check_available=always_available,
         mixed_precision_options=with_mixed_precision,
         shard_experts=shard_experts,
-        holds_4bit_layers=True,
     )
 )

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from nemo_wrap.distributed.combinations import Feature
+from nemo_wrap.distributed.degrees import MeshDim
 from nemo_wrap.distributed.modules import decoder_layers
 from nemo_wrap.distributed.strategies.registry import StrategyEntry, register_strategy
 from nemo_wrap.errors import InvalidSetupError, StrategyUnavailableError
@@ -42,7 +44,7 @@ def apply_megatron_fsdp(model: nn.Module, mesh: DeviceMesh, options: MegatronFSD
     return fully_shard_model(
         model,
         device_mesh=mesh,
-        dp_shard_dim="dp",
+        dp_shard_dim=MeshDim.DP,
         fsdp_unit_modules=[layer_class],
         zero_dp_strategy=options.zero_dp_strategy,
         device=torch.device("cuda", torch.cuda.current_device()),
@@ -70,5 +72,6 @@ MEGATRON_FSDP = register_strategy(
         shards_parameters=True,
         apply=apply_megatron_fsdp,
         check_available=check_megatron_fsdp_available,
+        traits=frozenset({Feature.FLAT_BUFFERS}),
     )
 )

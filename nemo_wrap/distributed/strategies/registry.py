@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from nemo_wrap.distributed.combinations import Feature
+from nemo_wrap.distributed.degrees import MeshDim
 from nemo_wrap.errors import DuplicateRegistrationError, InvalidSetupError
 
 
@@ -46,10 +48,9 @@ class StrategyEntry:
       ``None`` for the others, under which mixed precision is ``torch.autocast``.
     - ``collective``: whether a model under it acts with other ranks (loads, saves and steps are
       collective). Only the single-process entry says no: its model is this process's alone.
-    - ``holds_4bit_layers``: whether bitsandbytes' 4-bit layers are built and tested under it.
-    - ``shards_frozen_models``: whether it can take a model none of whose parameters trains (a
-      distillation teacher). DDP's ``replicate`` cannot: its first forward wants parameters that
-      take gradients.
+    - ``traits``: the :class:`~nemo_wrap.distributed.combinations.Feature` values it brings to a job
+      (DDP replicates the model, Megatron-FSDP keeps flat buffers), which the combination table
+      reads to refuse what they do not compose with.
     """
 
     name: str
@@ -58,13 +59,12 @@ class StrategyEntry:
     shards_parameters: bool
     apply: Callable[[nn.Module, DeviceMesh, Any], nn.Module]
     check_available: Callable[[], None]
-    degrees: tuple[str, ...] = ()
-    kept_mesh_dims: tuple[str, ...] = ()
+    degrees: tuple[MeshDim, ...] = ()
+    kept_mesh_dims: tuple[MeshDim, ...] = ()
     mixed_precision_options: Callable[[Any, torch.dtype, torch.dtype], Any] | None = None
     shard_experts: Callable[[list[nn.Module], DeviceMesh, Any, int], None] | None = None
     collective: bool = True
-    holds_4bit_layers: bool = False
-    shards_frozen_models: bool = True
+    traits: frozenset[Feature] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,6 @@ SINGLE_PROCESS = StrategyEntry(
     apply=_keep_whole,
     check_available=always_available,
     collective=False,
-    holds_4bit_layers=True,
 )
 """A world of one: the whole model in this process, no mesh, no collective — what
 ``distributed_setup=None`` means. Not in the registry: ``DistributedSetup.build`` cannot name it,
@@ -109,11 +108,6 @@ def register_strategy(entry: StrategyEntry) -> StrategyEntry:
 
 def strategy_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
-
-
-def names_where(fact: Callable[[StrategyEntry], bool]) -> tuple[str, ...]:
-    """The registered strategies of which ``fact`` holds (for messages naming the ways out)."""
-    return tuple(name for name, entry in _REGISTRY.items() if fact(entry))
 
 
 def strategy_entry(name: object) -> StrategyEntry:

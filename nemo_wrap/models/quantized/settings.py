@@ -14,18 +14,10 @@ from dataclasses import dataclass
 import torch
 from transformers import BitsAndBytesConfig
 
-from nemo_wrap.distributed.setup import DistributedSetup
-from nemo_wrap.distributed.strategies.registry import names_where
 from nemo_wrap.errors import UnsupportedQuantizationError
 
 QUANT_TYPES = ("nf4", "fp4")
 # Degrees a 4-bit load refuses, and why: its layers hold whole rows, and the rest is not built yet.
-_REFUSED_DEGREES = {
-    "tp": "4-bit layers are sharded by whole rows only; a row-wise layer would split them by columns",
-    "pp": "pipeline stages of 4-bit layers are not built",
-    "cp": "context parallel with 4-bit layers is not built",
-    "ep": "MoE experts are 3-D tensors, which bitsandbytes' linear layers do not hold",
-}
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_SIZE = 64  # bitsandbytes' 4-bit block, the one transformers uses
 STATISTICS_BLOCK_SIZE = 256  # bitsandbytes' block for the double-quantized absmax
@@ -93,23 +85,3 @@ def quantization_settings(config: object) -> QuantizationSettings:
         bool(config.bnb_4bit_use_double_quant),
         None if skip is None else tuple(skip),
     )
-
-
-def check_composes(setup: DistributedSetup, precision: str | None, compile_layers: bool, has_checkpoint: bool) -> None:
-    """Refuse, by name, what a 4-bit load does not compose with — before anything is built or read."""
-    refusals = []
-    if not has_checkpoint:
-        refusals.append("from_config (4-bit layers are quantized from a checkpoint while it is read; there is none)")
-    if not setup.entry.holds_4bit_layers:
-        holding = " and ".join(names_where(lambda entry: entry.holds_4bit_layers))
-        refusals.append(f"strategy={setup.strategy!r} (4-bit layers run under {holding})")
-    for degree, why in _REFUSED_DEGREES.items():
-        size = getattr(setup.degrees, degree)
-        if size > 1:
-            refusals.append(f"{degree}_size={size} ({why})")
-    if precision == "bf16-mixed":
-        refusals.append("precision='bf16-mixed' (4-bit layers compute in bnb_4bit_compute_dtype: set that instead)")
-    if compile_layers:
-        refusals.append("compile=True (bitsandbytes' 4-bit kernels are not compiled here)")
-    if refusals:
-        raise UnsupportedQuantizationError(f"quantization_config does not compose with {'; '.join(refusals)}")
