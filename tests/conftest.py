@@ -1,10 +1,10 @@
-"""Shared fixtures: rank pools for real multi-rank cases (see ``tests/multirank.py``)."""
+"""Shared fixtures: rank pools for real multi-rank cases (see ``tests/support/multirank.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.multirank import RankPool
+from tests.support.multirank import RankPool
 
 
 @pytest.fixture(scope="module")
