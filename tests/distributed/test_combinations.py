@@ -16,9 +16,9 @@ from nemo_wrap.distributed.combinations import REFUSALS, Feature, Refusal, refus
 from nemo_wrap.distributed.support import support_matrix
 from nemo_wrap.errors import UnsupportedSetupError
 from nemo_wrap.training import train_step
-from tests.families import family_config
+from tests.support.families import family_config
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 # How a load asks for each feature: (strategy, DistributedSetup.build degrees, plan() keywords).
 LOAD_FEATURES = {
