@@ -7,8 +7,10 @@
 - :mod:`.packing`: several examples per row, positions restarting, nothing learned across them;
 - :mod:`.examples`: rows → labelled examples of bounded length (truncated or dropped, counted)
   → fixed-length rows, packed or one example each;
+- :mod:`.windows`: a plain text file → dense ``seq_len``-token windows → rows that learn every token;
 - :mod:`.order` and :mod:`.batches`: which rows each data-parallel rank sees, per epoch,
-  deterministically, as resumable steps of micro-batches.
+  deterministically, as resumable steps of micro-batches. The one data-parallel loader: the
+  recipes and the notebooks, text windows and data sets alike, go through it.
 """
 
 from nemo_wrap.data.batches import DataParallelBatches
@@ -17,6 +19,7 @@ from nemo_wrap.data.labels import LabelledExample, label_conversation, label_pro
 from nemo_wrap.data.order import epoch_order
 from nemo_wrap.data.packing import pack_examples
 from nemo_wrap.data.rows import Rows, load_rows
+from nemo_wrap.data.windows import read_token_windows, window_rows
 
 __all__ = [
     "DataParallelBatches",
@@ -31,4 +34,6 @@ __all__ = [
     "load_rows",
     "pack_examples",
     "prepare_examples",
+    "read_token_windows",
+    "window_rows",
 ]

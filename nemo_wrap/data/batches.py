@@ -23,7 +23,13 @@ Batch = dict[str, torch.Tensor]
 
 
 class DataParallelBatches:
-    """Steps of ``accumulation`` micro-batches of ``micro_batch_size`` rows for rank ``dp_rank``."""
+    """Steps of ``accumulation`` micro-batches of ``micro_batch_size`` rows for rank ``dp_rank``.
+
+    Iterating yields one step (a list of micro-batches) at a time, endlessly. Over all ranks a step
+    holds the next ``micro_batch_size * accumulation * dp_size`` rows of the epoch's permutation,
+    whatever ``dp_size`` is: a run on one rank and the same global batch on several train on the
+    same rows at every step, so their losses can be compared step by step.
+    """
 
     def __init__(
         self,
@@ -36,6 +42,7 @@ class DataParallelBatches:
     ) -> None:
         if not rows:
             raise TrainingDataError("no rows to train on")
+        _check_layout(micro_batch_size, dp_rank, dp_size, accumulation)
         self.rows, self.micro_batch_size, self.accumulation = rows, micro_batch_size, accumulation
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.epoch, self.step_in_epoch = 0, 0
@@ -76,6 +83,17 @@ class DataParallelBatches:
                 f"this run has seed {self.seed} over {len(self.rows)} rows: resuming would see other batches"
             )
         self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+
+
+def _check_layout(micro_batch_size: int, dp_rank: int, dp_size: int, accumulation: int) -> None:
+    """Refuses at construction what would otherwise fail only once iterated (an empty step divides by
+    zero) or train silently wrong (a ``dp_rank`` outside the group is dealt nothing but padding)."""
+    if micro_batch_size < 1 or accumulation < 1:
+        raise TrainingDataError(
+            f"micro_batch_size={micro_batch_size} and accumulation={accumulation} must both be at least 1"
+        )
+    if not 0 <= dp_rank < dp_size:
+        raise TrainingDataError(f"dp_rank={dp_rank} is not one of the dp_size={dp_size} data-parallel ranks")
 
 
 def _padding_row(like: Batch) -> Batch:

@@ -28,7 +28,7 @@ import torch
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.checkpoint.resume import load_checkpoint
 from nemo_wrap.checkpoint.rotation import CheckpointRotation, resolve_resume
-from nemo_wrap.data import DataParallelBatches, as_rows, load_rows, prepare_examples
+from nemo_wrap.data import DataParallelBatches, as_rows, load_rows, prepare_examples, read_token_windows, window_rows
 from nemo_wrap.default_model import bundled_corpus
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.distributed.combinations import Feature, refusals, setup_arguments
@@ -41,7 +41,7 @@ from nemo_wrap.progress import progress_bar
 from nemo_wrap.recipes.metrics import MetricsLog
 from nemo_wrap.recipes.preemption import StopRequest, stop_requests
 from nemo_wrap.recipes.schedule import learning_rate
-from nemo_wrap.training import StepResult, evaluate, read_token_windows, train_step, window_rows
+from nemo_wrap.training import StepResult, evaluate, train_step
 from nemo_wrap.training.distillation import (
     DistillationResult,
     DistillationSettings,

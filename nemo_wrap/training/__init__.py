@@ -1,8 +1,10 @@
-"""What a user needs next to a sharded model to train it: the step, clipping, accumulation, data."""
+"""What a user needs next to a sharded model to train it: the step, clipping, accumulation, evaluation.
+
+The data it trains on (rows, text windows, the data-parallel batches) is :mod:`nemo_wrap.data`.
+"""
 
 from nemo_wrap.training.accumulation import no_gradient_sync
 from nemo_wrap.training.clipping import clip_grad_norm_
-from nemo_wrap.training.data import iterate_batches, read_token_windows, window_rows
 from nemo_wrap.training.distillation import (
     DistillationResult,
     DistillationSettings,
@@ -20,9 +22,6 @@ __all__ = [
     "distillation_step",
     "evaluate",
     "freeze_teacher",
-    "iterate_batches",
     "no_gradient_sync",
-    "read_token_windows",
     "train_step",
-    "window_rows",
 ]
