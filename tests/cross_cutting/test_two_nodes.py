@@ -17,7 +17,7 @@ import torch
 
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.training import train_step
-from tests.distributed.test_strategy_parity import _local_micro_batches
+from tests.support.batches import local_micro_batches
 from tests.support.checkpoints import write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ def _agent(node_rank: int, port: int, *job_arguments: str, join_timeout: int = 6
 def _one_process_losses(checkpoint: Path) -> list[float]:
     model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
-    return [train_step(model, optimizer, _local_micro_batches(step, 0, 1, 1)).loss for step in range(3)]
+    return [train_step(model, optimizer, local_micro_batches(step, 0, 1, 1)).loss for step in range(3)]
 
 
 def test_hsdp_with_one_replica_per_node_matches_one_process(tmp_path):

@@ -19,7 +19,7 @@ from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.distributed.context_parallel import SequenceSplit
 from nemo_wrap.errors import UnsupportedModelError
 from nemo_wrap.training import evaluate, train_step
-from tests.distributed.test_strategy_parity import _local_micro_batches
+from tests.support.batches import local_micro_batches
 from tests.support.checkpoints import write_checkpoint
 from tests.support.tiny_models import tiny_config
 
@@ -114,7 +114,7 @@ def _unpadded_batches(step: int, dp_rank: int, dp_size: int) -> list[dict[str, t
 def _batches(step: int, dp_rank: int, dp_size: int, packed) -> list[dict[str, torch.Tensor]]:
     if packed == "unpadded":
         return _unpadded_batches(step, dp_rank, dp_size)
-    return _packed_batch() if packed else _local_micro_batches(step, dp_rank, dp_size, 2 // dp_size)
+    return _packed_batch() if packed else local_micro_batches(step, dp_rank, dp_size, 2 // dp_size)
 
 
 def _one_step_and_curve(model, dp_rank: int, dp_size: int, packed: bool) -> dict:
@@ -124,7 +124,7 @@ def _one_step_and_curve(model, dp_rank: int, dp_size: int, packed: bool) -> dict
     optimizer = torch.optim.AdamW([p for _, p in trainable], lr=1e-2, weight_decay=0.01, foreach=False)
     curve = [train_step(model, optimizer, _batches(s, dp_rank, dp_size, packed), max_grad_norm=1.0).loss
              for s in range(3)]  # fmt: skip
-    held_out = evaluate(model, _local_micro_batches(0, dp_rank, dp_size, 1))
+    held_out = evaluate(model, local_micro_batches(0, dp_rank, dp_size, 1))
     return {"loss": first, "gradients": recorder.gradients, "curve": curve, "eval": held_out}
 
 
@@ -196,14 +196,14 @@ def case_mixed_precision(checkpoint: str) -> list[float]:
     setup = DistributedSetup.build("fsdp2", 2, cp_size=2)
     model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, distributed_setup=setup, precision="bf16-mixed")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    return [train_step(model, optimizer, _local_micro_batches(step, 0, 1, 2)).loss for step in range(3)]
+    return [train_step(model, optimizer, local_micro_batches(step, 0, 1, 2)).loss for step in range(3)]
 
 
 def test_bf16_mixed_under_context_parallel_follows_one_process(ranks2, tmp_path):
     checkpoint = write_checkpoint(tmp_path / "ckpt", "own-llama", "random", tie=True)
     model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, precision="bf16-mixed")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    expected = [train_step(model, optimizer, _local_micro_batches(step, 0, 1, 2)).loss for step in range(3)]
+    expected = [train_step(model, optimizer, local_micro_batches(step, 0, 1, 2)).loss for step in range(3)]
     for losses in ranks2.run(case_mixed_precision, str(checkpoint)):  # bf16 compute: close, not equal
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-2, atol=0)
 
@@ -213,7 +213,7 @@ def case_attention_outside_the_interface(checkpoint: str) -> str:
     model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, distributed_setup=setup)
     model.set_attn_implementation("sdpa")  # as a family computing attention itself would: the cut is bypassed
     try:
-        train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _local_micro_batches(0, 0, 1, 1))
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), local_micro_batches(0, 0, 1, 1))
     except UnsupportedModelError as error:
         return str(error)
     return "trained"

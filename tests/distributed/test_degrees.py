@@ -14,10 +14,10 @@ from nemo_wrap import DistributedSetup, InvalidSetupError
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.errors import UnsupportedSetupError
 from nemo_wrap.training import train_step
+from tests.support.batches import local_micro_batches
 from tests.support.checkpoints import write_checkpoint
-from tests.loading.test_from_pretrained import _local_bytes
-from tests.distributed.test_strategy_parity import _local_micro_batches
 from tests.support.families import family_config
+from tests.support.shards import local_bytes
 from tests.support.tiny_models import tiny_config
 
 
@@ -124,7 +124,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def _train(model, dp_rank: int, dp_size: int, steps: int) -> list[float]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.01, foreach=False)
-    return [train_step(model, optimizer, _local_micro_batches(step, dp_rank, dp_size, 1)).loss for step in range(steps)]
+    return [train_step(model, optimizer, local_micro_batches(step, dp_rank, dp_size, 1)).loss for step in range(steps)]
 
 
 def case_layout(checkpoint: str, output: str, layout: str, lora: bool) -> dict:
@@ -138,7 +138,7 @@ def case_layout(checkpoint: str, output: str, layout: str, lora: bool) -> dict:
     )
     loaded = {name: _full(tensor) for name, tensor in model.state_dict().items()}
     result = {"loaded": loaded, "verified": model.load_report.verified, "bytes_read": model.load_report.bytes_read}
-    result["local_bytes"] = _local_bytes(model)
+    result["local_bytes"] = local_bytes(model)
     result["losses"] = _train(model, setup.dp_rank(), setup.dp_size, steps=3)
     model.save_pretrained(output)  # every rank: consolidated on rank 0
     with torch.no_grad():
@@ -203,7 +203,7 @@ def case_guarantees(checkpoint: str, resume_dir: str, layout: str) -> dict:
         return NeMoAutoModelForCausalLM.from_pretrained(checkpoint, distributed_setup=setup, **options)
 
     def batch(step):
-        return _local_micro_batches(step, setup.dp_rank(), setup.dp_size, 1)
+        return local_micro_batches(step, setup.dp_rank(), setup.dp_size, 1)
 
     model, result = load(), {}
     optimizer = _optimizer(model)

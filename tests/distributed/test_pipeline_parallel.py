@@ -23,9 +23,9 @@ from nemo_wrap.distributed.pipeline import PipelineOptions, stage_layouts
 from nemo_wrap.errors import MissingWeightsError, PipelineUsageError, UnexpectedKeysError, UnsupportedModelError
 from nemo_wrap.state_dict import checkpoint_tensors
 from nemo_wrap.training import evaluate, train_step
-from tests.distributed.test_strategy_parity import _local_micro_batches
-from tests.loading.test_from_pretrained import _local_bytes
+from tests.support.batches import local_micro_batches
 from tests.support.checkpoints import write_checkpoint
+from tests.support.shards import local_bytes
 from tests.support.tiny_models import tiny_config
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10]])
@@ -131,7 +131,7 @@ def _train(model, dp_rank: int, dp_size: int, steps: int = 3, micro: int | None 
     2 per data-parallel rank)."""
     micro = micro or 4 // dp_size
     optimizer = _optimizer(model)
-    batches = [_local_micro_batches(step, dp_rank, dp_size, micro) for step in range(steps)]
+    batches = [local_micro_batches(step, dp_rank, dp_size, micro) for step in range(steps)]
     return [train_step(model, optimizer, micro_batches, max_grad_norm=1.0).loss for micro_batches in batches]
 
 
@@ -160,11 +160,11 @@ def case_stage(checkpoint: str, output: str, schedule: str, degrees: dict) -> di
     result["read"], result["share"], result["local"] = (
         report.bytes_read,
         _stage_bytes(model, checkpoint),
-        _local_bytes(model),
+        local_bytes(model),
     )
     result["keys"] = sorted({key for name in report.names("checkpoint") for key in report.provenance[name].keys})
     result["losses"] = _train(model, setup.dp_rank(), setup.dp_size)
-    result["eval"] = evaluate(model, _local_micro_batches(0, setup.dp_rank(), setup.dp_size, 2))
+    result["eval"] = evaluate(model, local_micro_batches(0, setup.dp_rank(), setup.dp_size, 2))
     embedding = getattr(model.get_input_embeddings(), "weight", None)  # a stand-in has none
     result["embedding"] = None if embedding is None else _full(embedding)
     head = getattr(model.get_output_embeddings(), "weight", None)
@@ -174,7 +174,7 @@ def case_stage(checkpoint: str, output: str, schedule: str, degrees: dict) -> di
             call()
     if schedule == "1f1b":
         with pytest.raises(InvalidSetupError, match=r"1 micro-batch.*1F1B needs at least 2"):
-            train_step(model, _optimizer(model), _local_micro_batches(0, setup.dp_rank(), setup.dp_size, 4)[:1])
+            train_step(model, _optimizer(model), local_micro_batches(0, setup.dp_rank(), setup.dp_size, 4)[:1])
     result["trained"] = {name: _full(t) for name, t in checkpoint_tensors(model)[0].items()}
     model.save_pretrained(output)
     return result
@@ -194,7 +194,7 @@ def _trained_logits(checkpoint, results: list[dict]) -> torch.Tensor:
 def _reference(checkpoint) -> tuple[list[float], float, torch.Tensor]:
     model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint)
     losses = _train(model, 0, 1)
-    held_out = evaluate(model, _local_micro_batches(0, 0, 1, 2))
+    held_out = evaluate(model, local_micro_batches(0, 0, 1, 2))
     with torch.no_grad():
         return losses, held_out, model.eval()(PROMPT).logits
 
@@ -275,7 +275,7 @@ def case_lora_and_resume(checkpoint: str, adapter: str, resume_dir: str) -> dict
         return NeMoAutoModelForCausalLM.from_pretrained(checkpoint, distributed_setup=setup, seed=1, **options)
 
     def batch(step):
-        return _local_micro_batches(step, 0, 1, 2)
+        return local_micro_batches(step, 0, 1, 2)
 
     result = {}
     lora = load(peft_config=_lora())

@@ -13,12 +13,11 @@ from torch.distributed.tensor import DTensor
 
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
-from nemo_wrap.training import clip_grad_norm_, train_step
+from nemo_wrap.training import train_step
+from tests.support.batches import local_micro_batches
 from tests.support.tiny_models import tiny_config
 
 SEED = 7
-GLOBAL_BATCH = 4
-SEQUENCE = 16
 MODELS = {
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
     "llama-untied": ("llama", dict(tie_word_embeddings=False)),
@@ -27,26 +26,6 @@ MODELS = {
     "own-llama-tied": ("own-llama", dict(tie_word_embeddings=True)),  # our fused class
     "own-qwen3": ("own-qwen3", dict(tie_word_embeddings=False)),
 }
-
-
-def _global_batch(step: int) -> dict[str, torch.Tensor]:
-    """Right-padded sequences of different lengths: ranks get different label-token counts."""
-    generator = torch.Generator().manual_seed(1000 + step)
-    input_ids = torch.randint(4, 257, (GLOBAL_BATCH, SEQUENCE), generator=generator)
-    lengths = torch.tensor([16, 5, 11, 16])
-    mask = (torch.arange(SEQUENCE)[None, :] < lengths[:, None]).long()
-    input_ids = input_ids.masked_fill(mask == 0, 3)  # pad token
-    labels = input_ids.masked_fill(mask == 0, -100)
-    return dict(input_ids=input_ids, attention_mask=mask, labels=labels)
-
-
-def _local_micro_batches(step: int, dp_rank: int, dp_size: int, micro: int) -> list[dict[str, torch.Tensor]]:
-    batch = _global_batch(step % 2)  # two batches, alternating: the loss must fall
-    per_rank = GLOBAL_BATCH // dp_size
-    rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    local = {k: v[rows] for k, v in batch.items()}
-    size = per_rank // micro
-    return [{k: v[i * size:(i + 1) * size] for k, v in local.items()} for i in range(micro)]
 
 
 def _full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -67,7 +46,7 @@ def _train(model, setup, optimizer_name: str, steps: int, micro: int, max_grad_n
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     results = [
-        train_step(model, optimizer, _local_micro_batches(step, dp_rank, dp_size, micro), max_grad_norm=max_grad_norm)
+        train_step(model, optimizer, local_micro_batches(step, dp_rank, dp_size, micro), max_grad_norm=max_grad_norm)
         for step in range(steps)
     ]
     return [r.loss for r in results], [r.grad_norm for r in results], [r.label_tokens for r in results]
@@ -144,7 +123,7 @@ def test_clipping_across_one_and_two_dimensional_meshes(ranks4):
 def case_torch_clip_raises_on_mixed_meshes():
     setup = DistributedSetup.build("fsdp2", 4, tp_size=2)
     model = _build("llama-untied", setup)
-    batch = _local_micro_batches(0, setup.device_mesh().get_local_rank("dp"), 2, 1)[0]
+    batch = local_micro_batches(0, setup.device_mesh().get_local_rank("dp"), 2, 1)[0]
     model(**batch).loss.backward()
     meshes = {p.device_mesh.ndim for p in model.parameters() if isinstance(p, DTensor)}
     try:

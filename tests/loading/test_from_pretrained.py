@@ -11,9 +11,10 @@ from transformers import AutoModelForCausalLM
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.initialization.geometry import local_shard, shard_geometry
-from nemo_wrap.state_dict import checkpoint_tensors
 from nemo_wrap.models.common.causal_lm import NeMoCausalLM
+from nemo_wrap.state_dict import checkpoint_tensors
 from tests.support.checkpoints import write_checkpoint
+from tests.support.shards import local_bytes
 
 STRATEGIES = [("ddp", 1), ("fsdp2", 1), ("fsdp2", 2)]
 STRATEGY_IDS = ["ddp", "fsdp2", "tp2"]
@@ -54,11 +55,6 @@ def _shard_mismatches(model, expected: dict[str, torch.Tensor]) -> list[str]:
     return wrong
 
 
-def _local_bytes(model) -> int:
-    distinct, _ = checkpoint_tensors(model)
-    return sum(local_shard(t).numel() * t.element_size() for t in distinct.values())
-
-
 def case_load(path, strategy, tp_size, force_hf, tokens):
     setup = DistributedSetup.build(strategy, 2, tp_size=tp_size)
     model = NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=setup, force_hf=force_hf)
@@ -71,7 +67,7 @@ def case_load(path, strategy, tp_size, force_hf, tokens):
         counts=report.counts(),
         mismatches=_shard_mismatches(model, _hf_full_state(path, model)),
         bytes_read=report.bytes_read,
-        local_bytes=_local_bytes(model),
+        local_bytes=local_bytes(model),
         logits=logits,
         is_fused_class=isinstance(model, NeMoCausalLM),
         plan_says_custom=report.plan.is_custom,
@@ -135,12 +131,13 @@ def case_verify(path, strategy, tp_size, corrupt_rank):
     verified = model.load_report.verified
     # Now damage one rank's shards and verify again: it must be caught everywhere. One bit of one
     # element flipped in one tensor; two unequal elements of another swapped (same values, wrong place).
+    from pathlib import Path
+
     import torch.distributed as dist
 
+    from nemo_wrap.checkpoint.locate import open_checkpoint
     from nemo_wrap.distributed.collectives import RankGroup
     from nemo_wrap.loading.verify import verify_load
-    from nemo_wrap.checkpoint.locate import open_checkpoint
-    from pathlib import Path
 
     flipped = local_shard(model.model.layers[1].self_attn.o_proj.weight).view(-1)
     swapped = local_shard(model.model.layers[0].mlp.down_proj.weight).view(-1)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from nemo_wrap import DistributedSetup, NeMoAutoModelForCausalLM, initialize_distributed
 from nemo_wrap.training import train_step
-from tests.distributed.test_strategy_parity import _local_micro_batches
+from tests.support.batches import local_micro_batches
 
 
 def main(checkpoint: str, output: str) -> None:
@@ -24,7 +24,7 @@ def main(checkpoint: str, output: str) -> None:
     model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, distributed_setup=setup, verify=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
     losses = [
-        train_step(model, optimizer, _local_micro_batches(step, setup.dp_rank(), setup.dp_size, 1)).loss
+        train_step(model, optimizer, local_micro_batches(step, setup.dp_rank(), setup.dp_size, 1)).loss
         for step in range(3)
     ]
     replica = setup.device_mesh()["dp_replicate"].get_local_rank()
