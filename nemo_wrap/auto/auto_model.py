@@ -65,7 +65,8 @@ class NeMoAutoModelForCausalLM:
         cannot be mapped), with the same error. Only the checkpoint's headers are read. ``options``
         is the typed form of the keywords (:class:`LoadOptions`), for a request built elsewhere.
         """
-        given = LoadOptions(
+        options = _options(
+            options,
             force_hf=force_hf,
             allow_pickle=allow_pickle,
             precision=precision,
@@ -73,7 +74,6 @@ class NeMoAutoModelForCausalLM:
             compile=compile,
             quantization_config=quantization_config,
         )
-        options = _one_of(options, given)
         setup = DistributedSetup.given(distributed_setup)
         if isinstance(path_or_config, PretrainedConfig):
             return _resolve(path_or_config, setup, options, None).plan
@@ -114,7 +114,8 @@ class NeMoAutoModelForCausalLM:
         instead of the keywords. Other keywords override config attributes. The model carries
         ``model.load_report``; ``plan()`` shows what a load will do without reading a weight.
         """
-        given = LoadOptions(
+        options = _options(
+            options,
             dtype=dtype,
             strict=strict,
             verify=verify,
@@ -128,7 +129,6 @@ class NeMoAutoModelForCausalLM:
             quantization_config=quantization_config,
             config_overrides=tuple(config_overrides.items()),
         )
-        options = _one_of(options, given)
         setup = DistributedSetup.given(distributed_setup)
         group = setup.rank_group()
         config, checkpoint = group.on_every_rank("opening the checkpoint", lambda: _open(path, options, group))
@@ -156,17 +156,17 @@ class NeMoAutoModelForCausalLM:
         the device does not multiply fast becomes float32 (as in :meth:`from_pretrained`); ``precision``,
         ``compile`` and ``options`` as in :meth:`from_pretrained`.
         """
-        given = LoadOptions(seed=seed, dtype=dtype, force_hf=force_hf, precision=precision, compile=compile)
-        options = _one_of(options, given)
+        options = _options(options, seed=seed, dtype=dtype, force_hf=force_hf, precision=precision, compile=compile)
         request = _resolve(config, DistributedSetup.given(distributed_setup), options, None)
         return LoadPipeline(request.plan, request.source, config, options).run()
 
 
-def _one_of(options: LoadOptions | None, keywords: LoadOptions) -> LoadOptions:
-    """``options`` when given (then the keywords must be left at their defaults), else the keywords'."""
+def _options(options: LoadOptions | None, **keywords: Any) -> LoadOptions:
+    """The one place a request's keywords become its :class:`LoadOptions`, each by its field's name:
+    ``options`` when given (then the keywords must be left at their defaults), else the keywords'."""
     if options is None:
-        return keywords
-    if keywords != LoadOptions():
+        return LoadOptions(**keywords)
+    if LoadOptions(**keywords) != LoadOptions():
         raise InvalidSetupError("pass the load's options either as keywords or as options=LoadOptions(...), not both")
     return options
 
