@@ -225,10 +225,15 @@ def _sft_config(output_dir: str, ranks: int):
     from nemo_wrap.default_model import bundled_chat_set
     from nemo_wrap.loading.options import LoadOptions
     from nemo_wrap.recipes import SFTConfig
+    from nemo_wrap.recipes.config import DataSection, OptimizerSection, TrainingSection
 
-    load = LoadOptions(quantization_config=_quantization(), peft_config=_lora_config())
-    return SFTConfig(data=str(bundled_chat_set()), output_dir=output_dir, max_length=SFT_LENGTH, pack=True,
-                     micro_batch_size=SFT_ROWS // ranks, steps=SFT_STEPS, lr=SFT_LR, load=load)  # fmt: skip
+    return SFTConfig(
+        output_dir,
+        data=DataSection(train=str(bundled_chat_set()), max_length=SFT_LENGTH, pack=True),
+        training=TrainingSection(batch_size=SFT_ROWS // ranks, steps=SFT_STEPS),
+        optimizer=OptimizerSection(lr=SFT_LR),
+        load=LoadOptions(quantization_config=_quantization(), peft_config=_lora_config()),
+    )
 
 
 def _measure_sft(case: str) -> dict[str, Any]:

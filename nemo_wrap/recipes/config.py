@@ -9,16 +9,24 @@ value must pass, so the file, the flags and the documentation cannot drift apart
 Why plain dataclasses over jsonargparse or OmegaConf: the schema stays a frozen, typed value the
 rest of the code passes around, errors can name the file line of the offending key (PyYAML's node
 marks), and no dependency is added — PyYAML already comes with transformers.
+
+The sections are also the library's job settings: :class:`nemo_wrap.recipes.sft.SFTConfig` holds
+the training sections themselves, so a training option is one field here, with one default and one
+check, whether it comes from a file, a flag or Python. Each section checks its fields when it is
+built (:class:`Checked`), so ``OptimizerSection(lr_schedule="linear")`` in a script fails as clearly
+as the same key in a file; the file reader runs the same checks earlier, to name the file line.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from nemo_wrap.distributed import PRECISIONS
 from nemo_wrap.distributed.pipeline import SCHEDULES
 from nemo_wrap.distributed.strategies import strategy_names
+from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.recipes.schedule import LearningRateSchedule
 from nemo_wrap.recipes.trackers import REPORT_TO_NAMES
 
 DEFAULT_OUTPUT_DIR = "nemo_wrap_output"
@@ -58,8 +66,26 @@ def option(default: Any, help: str, flag: str | None = None, check: Any = None) 
     return field(default=default, metadata=described(help, flag, check))
 
 
+def problem_with(check: Any, value: Any) -> str | None:
+    """What is wrong with ``value`` by a field's ``check`` (``None``: nothing); ``None`` values pass,
+    they mean "not set" or "off"."""
+    return check(value) if check is not None and value is not None else None
+
+
+class Checked:
+    """A recipe section that runs its fields' checks when built, whoever builds it: the recipe
+    reader (which has already checked each value, to name its file line) or a library user."""
+
+    def __post_init__(self) -> None:
+        for item in fields(self):  # type: ignore[arg-type]  # only dataclasses derive from Checked
+            value = getattr(self, item.name)
+            problem = problem_with(item.metadata.get("check"), value)
+            if problem:
+                raise InvalidSetupError(f"{type(self).__name__}.{item.name}: {problem}, got {value!r}")
+
+
 @dataclass(frozen=True)
-class DistributedSection:
+class DistributedSection(Checked):
     """How the job is laid out over ranks (``DistributedSetup.build``'s arguments) and how many."""
 
     strategy: str = option("fsdp2", f"{' | '.join(strategy_names())}", "--strategy", _one_of(*strategy_names()))
@@ -82,7 +108,7 @@ class DistributedSection:
 
 
 @dataclass(frozen=True)
-class LoadSection:
+class LoadSection(Checked):
     """How the checkpoint is loaded (``LoadOptions``)."""
 
     precision: str | None = option(
@@ -95,7 +121,7 @@ class LoadSection:
 
 
 @dataclass(frozen=True)
-class LoraSection:
+class LoraSection(Checked):
     """LoRA adapters (PEFT's ``LoraConfig``): only they train, and they are what is saved."""
 
     r: int | None = option(None, "LoRA rank; none: full fine-tuning", "--lora-r", _positive)
@@ -104,7 +130,7 @@ class LoraSection:
 
 
 @dataclass(frozen=True)
-class DataSection:
+class DataSection(Checked):
     """What to train on: a UTF-8 ``.txt`` file (token windows) or a data set (JSONL/JSON/Parquet/CSV, hub id)."""
 
     train: str | None = option(None, "training data (default: the bundled corpus)", "--data")
@@ -122,7 +148,7 @@ class DataSection:
 
 
 @dataclass(frozen=True)
-class TrainingSection:
+class TrainingSection(Checked):
     """How long and on what batches."""
 
     steps: int | None = option(None, "optimizer steps (default: 50 on text, epochs on data sets)", "--steps", _positive)
@@ -134,19 +160,22 @@ class TrainingSection:
 
 
 @dataclass(frozen=True)
-class OptimizerSection:
+class OptimizerSection(Checked):
     """AdamW and its learning-rate schedule."""
 
     lr: float = option(3e-3, "peak learning rate", "--lr", _positive)
     warmup_steps: int = option(0, "linear learning-rate warm-up", "--warmup-steps", _not_negative)
     lr_schedule: str = option(
-        "cosine", "after warm-up: cosine | constant", "--lr-schedule", _one_of("cosine", "constant")
+        LearningRateSchedule.COSINE.value,
+        "after warm-up: cosine | constant",
+        "--lr-schedule",
+        _one_of(*LearningRateSchedule.words()),
     )
     max_grad_norm: float | None = option(1.0, "gradient clipping; none: off", "--max-grad-norm", _positive)
 
 
 @dataclass(frozen=True)
-class CheckpointSection:
+class CheckpointSection(Checked):
     """Resumable checkpoints (DCP) written during the run, in ``OUTPUT_DIR/checkpoint-STEP``."""
 
     save_every: int | None = option(None, "resumable checkpoint every N steps", "--save-every", _positive)
@@ -156,7 +185,7 @@ class CheckpointSection:
 
 
 @dataclass(frozen=True)
-class LoggingSection:
+class LoggingSection(Checked):
     """Where metrics go: ``metrics.jsonl`` always, plus the trackers named (transformers' ``report_to`` names)."""
 
     log_dir: str | None = option(None, "metrics and tracker files (default OUTPUT_DIR/logs)", "--log-dir")
@@ -169,7 +198,7 @@ class LoggingSection:
 
 
 @dataclass(frozen=True)
-class DistillationSection:
+class DistillationSection(Checked):
     """Knowledge distillation from a teacher loaded and sharded like the student."""
 
     teacher: str | None = option(None, "teacher checkpoint directory; none: no distillation", "--teacher")

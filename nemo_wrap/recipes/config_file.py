@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from nemo_wrap.errors import RecipeError
-from nemo_wrap.recipes.config import Recipe
+from nemo_wrap.recipes.config import Recipe, problem_with
 
 _NONE_WORDS = ("null", "none", "~")
 
@@ -133,7 +133,7 @@ def _checked(spec: FieldSpec, setting: Setting) -> Any:
         value = _coerce(setting.value, spec.annotation)
     except (TypeError, ValueError) as error:
         raise RecipeError(f"{setting.origin}: {spec.key}: {error}, got {setting.value!r}") from None
-    problem = spec.check(value) if spec.check is not None and value is not None else None
+    problem = problem_with(spec.check, value)
     if problem:
         raise RecipeError(f"{setting.origin}: {spec.key}: {problem}, got {setting.value!r}")
     return value

@@ -8,6 +8,7 @@ CLI goes through these functions, so a recipe means the same thing to ``finetune
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,50 +46,24 @@ def write_recipe(recipe: Recipe, path: Path) -> None:
 
 
 def sft_config(recipe: Recipe) -> SFTConfig:
-    """The library's job settings from the recipe's sections."""
+    """The library's job settings: the recipe's training sections as they are, with ``bundled:``
+    names resolved and the log directory filled in (``OUTPUT_DIR/logs`` unless set)."""
     from nemo_wrap.recipes import SFTConfig
     from nemo_wrap.training.distillation import DistillationSettings
 
-    data, training, optimizer, checkpoint, logging = (
-        recipe.data,
-        recipe.training,
-        recipe.optimizer,
-        recipe.checkpoint,
-        recipe.logging,
-    )
-    teacher = recipe.distillation
+    data, logging, teacher = recipe.data, recipe.logging, recipe.distillation
     return SFTConfig(
-        data=_located(data.train),
         output_dir=recipe.output_dir,
-        format=data.format,
-        columns=tuple(data.columns.items()),
-        max_length=data.max_length,
-        seq_len=data.seq_len,
-        pack=data.pack,
-        last_turn_only=data.last_turn_only,
-        eval_data=_located(data.eval),
-        eval_every=training.eval_every,
-        steps=training.steps,
-        epochs=training.epochs,
-        micro_batch_size=training.batch_size,
-        accumulation=training.accumulation,
-        seed=training.seed,
-        lr=optimizer.lr,
-        warmup_steps=optimizer.warmup_steps,
-        lr_schedule=optimizer.lr_schedule,
-        max_grad_norm=optimizer.max_grad_norm,
-        log_dir=logging.log_dir or str(Path(recipe.output_dir) / "logs"),
-        report_to=logging.report_to,
-        mlflow_tracking_uri=logging.mlflow_tracking_uri,
-        run_config=recipe_as_dict(recipe),
-        save_every=checkpoint.save_every,
-        keep_last=checkpoint.keep_last,
-        async_save=checkpoint.async_save,
-        resume=checkpoint.resume,
+        data=replace(data, train=_located(data.train), eval=_located(data.eval)),
+        training=recipe.training,
+        optimizer=recipe.optimizer,
+        checkpoint=recipe.checkpoint,
+        logging=replace(logging, log_dir=logging.log_dir or str(Path(recipe.output_dir) / "logs")),
         distillation=DistillationSettings(str(_located(teacher.teacher)), teacher.kd_ratio, teacher.temperature)
         if teacher.teacher
         else None,
         load=load_options(recipe, peft_config=_lora(recipe), compile=recipe.load.compile),
+        run_config=recipe_as_dict(recipe),
     )
 
 

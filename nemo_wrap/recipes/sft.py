@@ -12,6 +12,13 @@ rank after the same step with a resumable checkpoint (:mod:`.preemption`); a ran
 answering makes the others raise :class:`PeerTimeoutError` after the process group's timeout, naming
 the step; a rank that dies leaves the checkpoints written so far, which ``resume="auto"`` (after a
 restart by torchrun's ``--max-restarts``) continues from, data position included.
+
+Why :class:`SFTConfig` holds the recipe's sections (:mod:`.config`) instead of fields of its own:
+each training option is then declared once — name, default, help, flag and check — and reaches a
+YAML file, the command line and this API alike; ``sft_config(recipe)`` hands the sections over
+whole. A flat config mirroring them had drifted (other names, other defaults, a check made twice).
+What a recipe cannot say stays here: the output directory, the load request as ``LoadOptions``,
+the distillation settings as the training layer takes them, and the config trackers record.
 """
 
 from __future__ import annotations
@@ -38,6 +45,13 @@ from nemo_wrap.errors import InvalidSetupError, PreemptedError
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.provenance import LoadReport
 from nemo_wrap.progress import progress_bar
+from nemo_wrap.recipes.config import (
+    CheckpointSection,
+    DataSection,
+    LoggingSection,
+    OptimizerSection,
+    TrainingSection,
+)
 from nemo_wrap.recipes.metrics import MetricsLog
 from nemo_wrap.recipes.preemption import StopRequest, stop_requests
 from nemo_wrap.recipes.schedule import learning_rate
@@ -55,39 +69,24 @@ TEXT_STEPS = 50  # the text job's default length: the embedded default's loss fa
 
 @dataclass(frozen=True)
 class SFTConfig:
-    """One fine-tuning job. ``data=None`` is the bundled corpus; a ``.txt`` file is cut into
-    ``seq_len``-token windows, anything else is a data set. ``steps`` wins over ``epochs``;
-    ``load.peft_config`` makes it LoRA SFT (only the adapters train, and the adapter is saved)."""
+    """One fine-tuning job: the recipe's training sections, each option defined (default and check
+    included) once in :mod:`.config`, plus what only a library call says.
 
-    data: str | None
+    ``data.train=None`` is the bundled corpus; a ``.txt`` file is cut into ``data.seq_len``-token
+    windows, anything else is a data set. ``training.steps`` wins over ``training.epochs``;
+    ``load.peft_config`` makes it LoRA SFT (only the adapters train, and the adapter is saved).
+    Locations are taken as given (``sft_config`` resolves a recipe's ``bundled:`` names), and
+    ``logging.log_dir=None`` writes no files (a recipe's run fills in ``OUTPUT_DIR/logs``)."""
+
     output_dir: str
-    format: str = "auto"
-    columns: tuple[tuple[str, str], ...] = ()  # (our column, the data's column), e.g. ("prompt", "question")
-    max_length: int = 512
-    seq_len: int = 64
-    pack: bool = False
-    last_turn_only: bool = False
-    eval_data: str | None = None
-    eval_every: int | None = None
-    steps: int | None = None
-    epochs: int = 1
-    micro_batch_size: int = 4
-    accumulation: int = 1
-    lr: float = 2e-4
-    warmup_steps: int = 0
-    lr_schedule: str = "cosine"
-    max_grad_norm: float | None = 1.0
-    seed: int = 0
-    log_dir: str | None = None
-    report_to: tuple[str, ...] = ("tensorboard",)  # besides metrics.jsonl; transformers' report_to names
-    mlflow_tracking_uri: str | None = None
-    run_config: Mapping[str, Any] | None = None  # what the trackers record as the run's config
-    save_every: int | None = None
-    keep_last: int | None = None
-    async_save: bool = False
-    resume: str | None = None  # a checkpoint directory, or "auto": the newest complete one in output_dir
+    data: DataSection = field(default_factory=DataSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)  # resume="auto": newest in output_dir
+    logging: LoggingSection = field(default_factory=LoggingSection)
     distillation: DistillationSettings | None = None
     load: LoadOptions = field(default_factory=LoadOptions)  # peft_config (LoRA SFT), precision, compile, ...
+    run_config: Mapping[str, Any] | None = None  # what the trackers record as the run's config
 
 
 @dataclass
@@ -112,19 +111,18 @@ def run_sft(
     place), and :class:`PeerTimeoutError` when another rank stopped answering during a step, its
     evaluation or its checkpoint.
     """
-    if config.lr_schedule not in ("constant", "cosine"):
-        raise InvalidSetupError(f"lr_schedule must be 'constant' or 'cosine', got {config.lr_schedule!r}")
-    train_rows = _training_rows(config, tokenizer, say)
-    eval_rows = _data_set_rows(config.eval_data, config, tokenizer, say) if config.eval_data else None
+    data, training = config.data, config.training
+    train_rows = _training_rows(data, tokenizer, say)
+    eval_rows = _data_set_rows(data.eval, data, tokenizer, say) if data.eval else None
     model = NeMoAutoModelForCausalLM.from_pretrained(model_path, distributed_setup=setup, options=config.load)
     say(cast(LoadReport, model.load_report).summary())
     job = _job(model, setup, config, train_rows, eval_rows)
     say(
-        f"batches: {config.micro_batch_size} rows per rank x {config.accumulation} micro-batch(es) x "
+        f"batches: {training.batch_size} rows per rank x {training.accumulation} micro-batch(es) x "
         f"{setup.dp_size} data-parallel rank(s) per step"
     )
-    total = config.steps or (TEXT_STEPS if _is_text(config.data) else config.epochs * job.batches.steps_per_epoch)
-    resume = resolve_resume(config.resume, config.output_dir)
+    total = training.steps or (TEXT_STEPS if _is_text(data.train) else training.epochs * job.batches.steps_per_epoch)
+    resume = resolve_resume(config.checkpoint.resume, config.output_dir)
     start = load_checkpoint(resume, model, job.optimizer, data=job.batches) if resume else 0
     if resume:
         say(f"resumed from {resume} at step {start}")
@@ -146,19 +144,19 @@ def run_sft(
 def _job(
     model: Any, setup: DistributedSetup, config: SFTConfig, train_rows: list[Batch], eval_rows: list[Batch] | None
 ) -> _Job:
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr)
-    dp_rank, job = setup.dp_rank(), RankGroup.job()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.optimizer.lr)
+    dp_rank, job, training, logging = setup.dp_rank(), RankGroup.job(), config.training, config.logging
     batches = DataParallelBatches(
-        train_rows, config.micro_batch_size, config.seed, dp_rank, setup.dp_size, config.accumulation
+        train_rows, training.batch_size, training.seed, dp_rank, setup.dp_size, training.accumulation
     )
     log = job.on_every_rank(  # a tracker that fails to start on the writer must not leave the others waiting
         "opening the metrics trackers",
         lambda: MetricsLog(
-            config.log_dir,
+            logging.log_dir,
             job.is_writer,
-            config.report_to,
+            logging.report_to,
             config.run_config,
-            config.mlflow_tracking_uri,
+            logging.mlflow_tracking_uri,
             Path(config.output_dir).name,
         ),
     )
@@ -168,8 +166,8 @@ def _job(
         batches=batches,
         step=_step_function(model, optimizer, setup, config),
         log=log,
-        evaluation=_evaluation(model, eval_rows, config, dp_rank, setup.dp_size),
-        checkpoints=CheckpointRotation(config.output_dir, config.keep_last, config.async_save),
+        evaluation=_evaluation(model, eval_rows, training.batch_size, dp_rank, setup.dp_size),
+        checkpoints=CheckpointRotation(config.output_dir, config.checkpoint.keep_last, config.checkpoint.async_save),
     )
 
 
@@ -178,9 +176,9 @@ def _step_function(
 ) -> Callable[[Sequence[Batch]], StepResult]:
     """One optimizer step on a step's micro-batches: ``train_step``, or with a teacher ``distillation_step``
     (the teacher loaded through the same audited pipeline and sharded by the same setup, frozen)."""
-    settings = config.distillation
+    settings, max_grad_norm = config.distillation, config.optimizer.max_grad_norm
     if settings is None:
-        return lambda micro_batches: train_step(model, optimizer, micro_batches, max_grad_norm=config.max_grad_norm)
+        return lambda micro_batches: train_step(model, optimizer, micro_batches, max_grad_norm=max_grad_norm)
     # Where the table refuses a frozen teacher under the student's setup (plain DDP wraps only
     # modules that train), the teacher is held whole on each rank instead.
     whole = bool(refusals({Feature.FROZEN_TEACHER, *setup_arguments(setup)}))
@@ -194,7 +192,7 @@ def _step_function(
 
     def step(micro_batches: Sequence[Batch]) -> StepResult:
         return distillation_step(
-            model, teacher, optimizer, micro_batches, settings.kd_ratio, settings.temperature, config.max_grad_norm
+            model, teacher, optimizer, micro_batches, settings.kd_ratio, settings.temperature, max_grad_norm
         )
 
     return step
@@ -204,29 +202,29 @@ def _is_text(data: str | None) -> bool:
     return data is None or data.endswith(".txt")
 
 
-def _training_rows(config: SFTConfig, tokenizer: Any, say: Callable[[str], None]) -> list[Batch]:
-    if not _is_text(config.data):
-        return _data_set_rows(str(config.data), config, tokenizer, say)
-    source = Path(config.data) if config.data else bundled_corpus()
-    windows = read_token_windows(source, tokenizer, config.seq_len)
-    say(f"data: {source} (text): {windows.shape[0]} windows of {config.seq_len} tokens")
+def _training_rows(data: DataSection, tokenizer: Any, say: Callable[[str], None]) -> list[Batch]:
+    if not _is_text(data.train):
+        return _data_set_rows(str(data.train), data, tokenizer, say)
+    source = Path(data.train) if data.train else bundled_corpus()
+    windows = read_token_windows(source, tokenizer, data.seq_len)
+    say(f"data: {source} (text): {windows.shape[0]} windows of {data.seq_len} tokens")
     return window_rows(windows)
 
 
-def _data_set_rows(source: str, config: SFTConfig, tokenizer: Any, say: Callable[[str], None]) -> list[Batch]:
-    rows = load_rows(source, format=config.format, columns=dict(config.columns))
-    prepared = prepare_examples(rows, tokenizer, config.max_length, last_turn_only=config.last_turn_only)
+def _data_set_rows(source: str, data: DataSection, tokenizer: Any, say: Callable[[str], None]) -> list[Batch]:
+    rows = load_rows(source, format=data.format, columns=data.columns)
+    prepared = prepare_examples(rows, tokenizer, data.max_length, last_turn_only=data.last_turn_only)
     say(f"data: {source} ({rows.format}): {prepared.summary()}")
-    return as_rows(prepared.examples, config.max_length, tokenizer.pad_token_id or 0, config.pack)
+    return as_rows(prepared.examples, data.max_length, tokenizer.pad_token_id or 0, data.pack)
 
 
 def _evaluation(
-    model: Any, rows: list[Batch] | None, config: SFTConfig, dp_rank: int, dp_size: int
+    model: Any, rows: list[Batch] | None, batch_size: int, dp_rank: int, dp_size: int
 ) -> Callable[[], float] | None:
     """The held-out loss, token-weighted over every rank (``None`` without held-out data)."""
     if rows is None:
         return None
-    batches = DataParallelBatches(rows, config.micro_batch_size, seed=0, dp_rank=dp_rank, dp_size=dp_size)
+    batches = DataParallelBatches(rows, batch_size, seed=0, dp_rank=dp_rank, dp_size=dp_size)
     micro_batches = [micro_batch for step in batches.rest_of_epoch() for micro_batch in step]
     return lambda: evaluate(model, micro_batches)
 
@@ -247,11 +245,11 @@ def _train(job: _Job, steps: range, config: SFTConfig, setup: DistributedSetup, 
     """Run ``steps``; return the step after which every rank agreed to stop (a SIGTERM), else ``None``.
 
     Each collective phase is named, so a rank that stops answering is reported with the step."""
-    total, iterator = steps.stop, iter(job.batches)
+    total, iterator, adamw = steps.stop, iter(job.batches), config.optimizer
     with progress_bar(len(steps), "finetune", RankGroup.job().is_writer, unit="step") as bar:
         for step in steps:
             done = step + 1
-            rate = learning_rate(step, config.lr, config.warmup_steps, total, config.lr_schedule)
+            rate = learning_rate(step, adamw.lr, adamw.warmup_steps, total, adamw.lr_schedule)
             for group in job.optimizer.param_groups:
                 group["lr"] = rate
             started = time.perf_counter()
@@ -260,7 +258,7 @@ def _train(job: _Job, steps: range, config: SFTConfig, setup: DistributedSetup, 
             tokens_per_s = result.label_tokens / (time.perf_counter() - started)
             job.log.log(done, **_step_metrics(result, rate, tokens_per_s))
             bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{rate:.2e}", tok_s=f"{tokens_per_s:,.0f}")
-            if job.evaluation is not None and config.eval_every and done % config.eval_every == 0:
+            if job.evaluation is not None and config.training.eval_every and done % config.training.eval_every == 0:
                 with peers_must_answer(f"the evaluation after step {done}"):
                     eval_loss = job.evaluation()
                 job.log.log(done, eval_loss=eval_loss)
@@ -268,7 +266,7 @@ def _train(job: _Job, steps: range, config: SFTConfig, setup: DistributedSetup, 
             with peers_must_answer(f"the stop-request all-reduce after step {done}"):
                 if stop.agreed():
                     return done  # before the periodic save: the stop writes this step's checkpoint
-            if config.save_every and done % config.save_every == 0:
+            if config.checkpoint.save_every and done % config.checkpoint.save_every == 0:
                 with peers_must_answer(f"the checkpoint of step {done}"):
                     job.checkpoints.save(job.model, job.optimizer, done, data=job.batches)
             bar.update(1)

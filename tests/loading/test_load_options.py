@@ -48,6 +48,7 @@ def test_bad_options_name_the_keyword(options, named):
 
 def test_sft_config_holds_the_load_request():
     from nemo_wrap.recipes import SFTConfig
+    from nemo_wrap.recipes.config import DataSection
 
-    config = SFTConfig(data="rows.jsonl", output_dir="out", load=LoadOptions(precision="bf16-mixed"))
-    assert config.load.precision == "bf16-mixed" and SFTConfig(data="d", output_dir="o").load == LoadOptions()
+    config = SFTConfig("out", data=DataSection(train="rows.jsonl"), load=LoadOptions(precision="bf16-mixed"))
+    assert config.load.precision == "bf16-mixed" and SFTConfig("o", data=DataSection(train="d")).load == LoadOptions()

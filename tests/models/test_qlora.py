@@ -386,11 +386,17 @@ def case_smollm2_qlora_sft(path: str, output_dir: str) -> list[float]:
 
     from nemo_wrap.default_model import bundled_chat_set
     from nemo_wrap.recipes import SFTConfig, run_sft
+    from nemo_wrap.recipes.config import DataSection, OptimizerSection, TrainingSection
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     load = LoadOptions(quantization_config=_nf4(), peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
-    config = SFTConfig(data=str(bundled_chat_set()), output_dir=output_dir, pack=True, max_length=128,
-                       micro_batch_size=2, steps=SFT_STEPS, lr=1e-3, load=load)  # fmt: skip
+    config = SFTConfig(
+        output_dir,
+        data=DataSection(train=str(bundled_chat_set()), pack=True, max_length=128),
+        training=TrainingSection(batch_size=2, steps=SFT_STEPS),
+        optimizer=OptimizerSection(lr=1e-3),
+        load=load,
+    )
     records = run_sft(path, DistributedSetup.build("fsdp2", world), config, AutoTokenizer.from_pretrained(path), lambda _: None)
     return [record["loss"] for record in records if "loss" in record]
 

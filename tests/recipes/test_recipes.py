@@ -115,6 +115,18 @@ def test_a_bad_flag_value_names_the_flag_and_key(capsys):
     assert "--tp-size: distributed.tp_size: must be positive, got '0'" in capsys.readouterr().err
 
 
+def test_a_section_built_in_python_runs_the_same_checks():
+    """``SFTConfig`` takes the sections themselves: a library user gets the recipe's check, once, at construction."""
+    from nemo_wrap.errors import InvalidSetupError
+    from nemo_wrap.recipes.config import DataSection, OptimizerSection, TrainingSection
+
+    with pytest.raises(InvalidSetupError, match=r"OptimizerSection\.lr_schedule: must be one of cosine, constant"):
+        OptimizerSection(lr_schedule="linear")
+    with pytest.raises(InvalidSetupError, match=r"TrainingSection\.batch_size: must be positive, got 0"):
+        TrainingSection(batch_size=0)
+    assert DataSection(eval=None).eval is None  # None is "not set", never checked
+
+
 def test_a_missing_recipe_file_is_named(tmp_path):
     with pytest.raises(RecipeError, match=r"nowhere\.yaml: cannot read the recipe"):
         read_recipe_file(tmp_path / "nowhere.yaml")
