@@ -20,6 +20,7 @@ from peft import LoraConfig
 
 from nemo_wrap.distributed.pipeline.runtime import PipelineRuntime
 from nemo_wrap.distributed.setup import DistributedSetup
+from nemo_wrap.loading.plan import LossPath, LossPlan
 from nemo_wrap.loading.provenance import LoadReport
 
 
@@ -43,6 +44,13 @@ class HasModelState(Protocol):
 def setup_of(model: object) -> DistributedSetup:
     """The setup ``model`` was sharded with by nemo_wrap; a single process's for any other model."""
     return model.nemo_state.setup if isinstance(model, HasModelState) else DistributedSetup.single_process()
+
+
+def loss_plan_of(model: object) -> LossPlan:
+    """How the steps compute ``model``'s loss: its load plan's choice; the full logits for a model
+    nemo_wrap did not load (whose head and forward it knows nothing of)."""
+    report = model.nemo_state.load_report if isinstance(model, HasModelState) else None
+    return report.plan.loss if report is not None else LossPlan(LossPath.FULL, "not loaded by nemo_wrap")
 
 
 def pipeline_of(model: object) -> PipelineRuntime | None:

@@ -19,6 +19,7 @@ from transformers import BitsAndBytesConfig
 
 from nemo_wrap.distributed.precision import Precision, PrecisionName
 from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.loading.plan import LossPath
 
 _FLAGS = ("strict", "verify", "force_hf", "allow_pickle", "compile")
 
@@ -40,7 +41,9 @@ class LoadOptions:
     - ``compile``: ``torch.compile`` each decoder layer once the model is complete;
     - ``quantization_config``: a ``BitsAndBytesConfig(load_in_4bit=True, ...)``: linear layers held
       in 4 bits, each rank quantizing its rows while reading (QLoRA with ``peft_config``);
-    - ``config_overrides``: config attributes to override, as ``(name, value)`` pairs.
+    - ``config_overrides``: config attributes to override, as ``(name, value)`` pairs;
+    - ``loss``: how ``train_step`` and ``evaluate`` compute the loss: ``"chunked"`` (the default,
+      where the model allows it: never the whole logits) or ``"full"`` (transformers' path).
     """
 
     dtype: torch.dtype | str | None = None
@@ -55,6 +58,7 @@ class LoadOptions:
     compile: bool = False
     quantization_config: BitsAndBytesConfig | None = None
     config_overrides: tuple[tuple[str, Any], ...] = ()
+    loss: LossPath | str = LossPath.CHUNKED  # "full": the steps compute the whole logits (to compare)
 
     def __post_init__(self) -> None:
         for flag in _FLAGS:
@@ -62,6 +66,7 @@ class LoadOptions:
                 raise InvalidSetupError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.precision is not None:  # a word of the vocabulary, held as its member
             object.__setattr__(self, "precision", Precision.parse(self.precision, "precision"))
+        object.__setattr__(self, "loss", LossPath.parse(self.loss, "loss"))
         if self.peft_config is not None and self.adapter is not None:
             raise InvalidSetupError(
                 "from_pretrained: pass peft_config (new adapters) or adapter (a directory), not both"

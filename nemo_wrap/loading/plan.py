@@ -28,7 +28,9 @@ from nemo_wrap.distributed.pipeline import StageLayout
 from nemo_wrap.distributed.precision import PrecisionPlan
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.distributed.tensor_parallel import TensorParallelPlan
+from nemo_wrap.models.head import HeadTransform
 from nemo_wrap.models.quantized.settings import QuantizationSettings
+from nemo_wrap.vocabulary import Vocabulary
 
 
 class Step(str, Enum):
@@ -51,6 +53,36 @@ class Adapters(str, Enum):
     FILE = "file"  # read from a PEFT adapter directory (adapter)
 
 
+DEFAULT_CHUNK_TOKENS = 512  # at SmolLM2's 49,152 entries: 96 MiB of fp32 logits (the full path: 768 MiB at 4k tokens)
+
+
+class LossPath(Vocabulary):
+    """How the training and evaluation steps compute the causal-LM loss."""
+
+    CHUNKED = "chunked"  # the head and the cross-entropy a chunk of tokens at a time (the default)
+    FULL = "full"  # the whole [tokens, vocabulary] logits, then transformers' loss
+
+
+@dataclass(frozen=True)
+class LossPlan:
+    """The steps' loss: its path, why, and for the chunked path its chunk and the family's logit
+    transform (:mod:`nemo_wrap.models.head`)."""
+
+    path: LossPath
+    reason: str
+    chunk_tokens: int = 0
+    transform: HeadTransform | None = None
+
+    def describe(self) -> str:
+        if self.path is LossPath.FULL:
+            return f"full logits ({self.reason})"
+        shown = "" if self.transform is None else self.transform.describe()
+        return (
+            f"chunked linear cross-entropy, {self.chunk_tokens} tokens a chunk, recomputed in the backward "
+            f"(never the [tokens, vocabulary] logits){shown}"
+        )
+
+
 @dataclass(frozen=True)
 class LoadPlan:
     """What will happen, in order, and why. Pure data: printable without a process group.
@@ -67,6 +99,7 @@ class LoadPlan:
     has_checkpoint: bool
     steps: tuple[Step, ...]
     precision: PrecisionPlan
+    loss: LossPlan  # what train_step and evaluate compute
     key_mapping: str = "transformers' keys as they are"
     adapters: Adapters | None = None  # None: no LoRA
     stages: tuple[StageLayout, ...] = ()  # pipeline stages (none without pipeline parallel)
@@ -164,4 +197,5 @@ def render_plan(plan: LoadPlan) -> str:
     lines += [f"  pipeline {stage.describe()}" for stage in plan.stages]
     lines += [f"  experts: {line}" for line in (plan.experts.describe() if plan.experts else [])]
     lines.append(f"  precision: {plan.precision}")
+    lines.append(f"  loss: {plan.loss.describe()}")
     return "\n".join(lines)

@@ -36,11 +36,12 @@ from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.distributed.tensor_parallel import TensorParallelPlan, check_tensor_parallel_supported
 from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.loading.options import LoadOptions
-from nemo_wrap.loading.plan import Adapters, LoadPlan, Step
+from nemo_wrap.loading.plan import DEFAULT_CHUNK_TOKENS, Adapters, LoadPlan, LossPath, LossPlan, Step
 from nemo_wrap.models.config_checks import check_config_sizes, check_layer_count
+from nemo_wrap.models.head import head_transform
 from nemo_wrap.models.lora import lora_settings
 from nemo_wrap.models.parallel_support import check_context_parallel_supported, check_pipelinable
-from nemo_wrap.models.quantized.settings import quantization_settings
+from nemo_wrap.models.quantized.settings import QuantizationSettings, quantization_settings
 from nemo_wrap.models.registry import ModelSource
 
 # The dtypes a model can be built and trained in (torch's default dtype takes only these).
@@ -96,6 +97,7 @@ def resolve_load_plan(request: LoadRequest) -> LoadPlan:
         has_checkpoint=has_checkpoint,
         steps=_ordered_steps(setup, has_checkpoint, adapters, quantization is not None, options.compile, bool(stages)),
         precision=precision,
+        loss=_loss(request, quantization, adapters),
         key_mapping=source.spec.key_mapping(source.architecture, request.config.model_type),
         adapters=adapters,
         stages=stages,
@@ -199,6 +201,45 @@ def _load_arguments(request: LoadRequest) -> dict[Feature, str]:
         Feature.COMPILE: ("compile=True", options.compile),
     }
     return setup_arguments(request.setup) | {feature: name for feature, (name, used) in asked.items() if used}
+
+
+def _loss(request: LoadRequest, quantization: QuantizationSettings | None, adapters: Adapters | None) -> LossPlan:
+    """The chunked loss wherever the model and the layout allow it, else the full logits and why."""
+    if request.options.loss == LossPath.FULL:
+        return LossPlan(LossPath.FULL, "loss='full' asked")
+    transform = head_transform(request.config)
+    why_full = _why_full_logits(request, quantization, adapters)
+    if why_full is None and transform is None:
+        why_full = f"model_type={request.config.get_text_config().model_type!r} is not verified for the chunked loss"
+    if why_full is not None:
+        return LossPlan(LossPath.FULL, why_full)
+    return LossPlan(LossPath.CHUNKED, "", DEFAULT_CHUNK_TOKENS, transform)
+
+
+def _why_full_logits(
+    request: LoadRequest, quantization: QuantizationSettings | None, adapters: Adapters | None
+) -> str | None:
+    """Why this load's steps need the whole logits (not built chunked yet), or None."""
+    degrees, options = request.setup.degrees, request.options
+    if degrees.pp > 1:
+        return "pipeline stages compute their loss in torch's schedule, not chunked yet"
+    if degrees.cp > 1:
+        return "context-parallel parts compute their loss in their own step, not chunked yet"
+    if getattr(request.config.get_text_config(), "output_router_logits", False):
+        return "the load-balancing loss is assembled beside the logits, not chunked yet"
+    if adapters is Adapters.FILE:
+        return "an adapter directory's target modules are read after the plan; lm_head may be one"
+    targets = getattr(options.peft_config, "target_modules", None) or ()
+    saved = getattr(options.peft_config, "modules_to_save", None) or ()
+    if "lm_head" in (targets if not isinstance(targets, str) else (targets,)) or "lm_head" in saved:
+        return "LoRA adapts lm_head, whose output the chunked loss does not compute through"
+    if (
+        quantization is not None
+        and quantization.skip_modules is not None
+        and "lm_head" not in quantization.skip_modules
+    ):
+        return "lm_head is 4-bit (llm_int8_skip_modules does not keep it)"
+    return None
 
 
 def _adapters(options: LoadOptions) -> Adapters | None:

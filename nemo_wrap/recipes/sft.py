@@ -294,12 +294,20 @@ def _stop_with_checkpoint(job: _Job, step: int, total: int) -> PreemptedError:
 
 
 def _step_metrics(result: StepResult, rate: float, tokens_per_s: float) -> dict[str, float]:
-    """What each step logs: loss, learning rate, grad norm, tokens/s, this rank's peak RSS (and a
+    """What each step logs: loss, learning rate, grad norm, tokens/s, this rank's peak memory (and a
     distillation step's two parts)."""
     metrics = {"loss": result.loss, "lr": rate, "tokens_per_s": tokens_per_s}
     if result.grad_norm is not None:
         metrics["grad_norm"] = result.grad_norm
     if isinstance(result, DistillationResult):
         metrics.update(ce_loss=result.ce_loss, kd_loss=result.kd_loss)
-    metrics["peak_memory_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    metrics["peak_memory_mib"] = _peak_memory_mib()
     return metrics
+
+
+def _peak_memory_mib() -> float:
+    """On CUDA the allocator's peak of tensor bytes (``torch.cuda.max_memory_allocated``); on the
+    CPU, which has no tensor allocator to ask, the process's peak resident memory (RSS)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB

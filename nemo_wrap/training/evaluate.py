@@ -2,8 +2,9 @@
 
 Each rank sums the token losses of its own batches and counts its tokens; both sums are reduced
 over the data-parallel ranks before dividing, so ranks with more tokens weigh more (a mean of
-per-rank means would not). The cross-entropy is computed from the logits with ``reduction="sum"``:
-a padding batch (no label token) then adds zero instead of transformers' 0/0.
+per-rank means would not). The cross-entropy is summed (``reduction="sum"``): a padding batch (no
+label token) then adds zero instead of transformers' 0/0. It is the steps' loss path: chunked where
+the load plan says so (:mod:`.linear_loss`), else from the whole logits.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nemo_wrap.loading.model_state import pipeline_of, setup_of
+from nemo_wrap.loading.model_state import loss_plan_of, pipeline_of, setup_of
+from nemo_wrap.loading.plan import LossPath
 from nemo_wrap.training.context_parallel_step import context_parallel_eval_totals
+from nemo_wrap.training.linear_loss import chunked_causal_lm_loss, loss_context
 from nemo_wrap.training.pipeline_step import pipeline_evaluate_totals
-from nemo_wrap.training.token_loss import token_loss_totals
+from nemo_wrap.training.token_loss import IGNORE_INDEX, token_loss_totals
 
 
 def evaluate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) -> float:
@@ -50,5 +53,11 @@ def _batch_totals(
         return pipeline_evaluate_totals(model, pipeline, batch)
     if cp_group is not None:  # this rank's part of every sequence
         return context_parallel_eval_totals(model, dict(batch), cp_group)
-    logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
+    plan, inputs = loss_plan_of(model), {"position_ids": batch.get("position_ids")}
+    if plan.path is LossPath.CHUNKED:  # a sum: one "item", and a batch of no label token adds zero
+        with loss_context(model):
+            summed = chunked_causal_lm_loss(model, batch["input_ids"], inputs, batch["labels"], 1, plan)
+        tokens = (batch["labels"][..., 1:] != IGNORE_INDEX).sum()
+        return torch.tensor([float(summed), float(tokens)], dtype=torch.float64)
+    logits = model(input_ids=batch["input_ids"], **inputs).logits
     return token_loss_totals(logits[..., :-1, :], batch["labels"][..., 1:])

@@ -23,10 +23,12 @@ from torch import nn
 
 from nemo_wrap.distributed.combinations import Feature, refuse_unsupported, setup_arguments
 from nemo_wrap.distributed.setup import DistributedSetup
-from nemo_wrap.loading.model_state import pipeline_of, setup_of
+from nemo_wrap.loading.model_state import loss_plan_of, pipeline_of, setup_of
+from nemo_wrap.loading.plan import LossPath
 from nemo_wrap.training.accumulation import no_gradient_sync
 from nemo_wrap.training.clipping import clip_grad_norm_
 from nemo_wrap.training.context_parallel_step import context_parallel_backward
+from nemo_wrap.training.linear_loss import chunked_causal_lm_loss, loss_context
 from nemo_wrap.training.pipeline_step import (
     check_micro_batch_count,
     pipeline_clip_grad_norm_,
@@ -136,8 +138,9 @@ def _forward_backward(
             if cp_group is not None:
                 loss = context_parallel_backward(model, dict(batch), label_tokens, scale, cp_group)
             else:
-                loss = _micro_batch_loss(model, batch, label_tokens, loss_group)
-                (loss * scale).backward()
+                with loss_context(model):
+                    loss = _micro_batch_loss(model, batch, label_tokens, loss_group)
+                    (loss * scale).backward()
         loss_sum += loss.detach().float().cpu()
     return loss_sum
 
@@ -147,15 +150,19 @@ def _micro_batch_loss(
 ) -> torch.Tensor:
     """transformers' loss of one micro-batch over the step's global label count; for MoE models that
     add a load-balancing loss, that loss of the whole data-parallel micro-batch (this rank's share)."""
-    if not adds_router_loss(model):
-        return model(
-            input_ids=batch["input_ids"],
-            **forward_inputs(batch),
-            labels=labels_of(batch),
-            num_items_in_batch=label_tokens,
-        ).loss
-    logits, router_loss = logits_and_router_loss(model, batch, loss_group)  # no labels: assembled here
-    return causal_lm_loss(model, logits, label_tokens, labels=labels_of(batch)) + router_loss
+    if adds_router_loss(model):
+        logits, router_loss = logits_and_router_loss(model, batch, loss_group)  # no labels: assembled here
+        return causal_lm_loss(model, logits, label_tokens, labels=labels_of(batch)) + router_loss
+    plan = loss_plan_of(model)
+    if plan.path is LossPath.CHUNKED:
+        inputs = forward_inputs(batch)
+        return chunked_causal_lm_loss(model, batch["input_ids"], inputs, labels_of(batch), label_tokens, plan)
+    return model(
+        input_ids=batch["input_ids"],
+        **forward_inputs(batch),
+        labels=labels_of(batch),
+        num_items_in_batch=label_tokens,
+    ).loss
 
 
 def logits_and_router_loss(

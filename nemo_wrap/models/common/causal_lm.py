@@ -70,6 +70,10 @@ class NeMoCausalLM(PreTrainedModel, GenerationMixin):
         else:
             super()._init_weights(module)
 
+    def get_decoder(self) -> nn.Module:
+        """The backbone (``model``): transformers' lookup would find no decoder in our own classes."""
+        return self.model
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

@@ -1,0 +1,179 @@
+"""The chunked loss: the head and the cross-entropy a chunk of tokens at a time, never the whole
+logits — equal to the full path (loss and every gradient) in one process and under ddp, fsdp2,
+HSDP and tensor parallel (vocab-parallel, no gathered ``[tokens, vocabulary]`` tensor)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nemo_wrap import DistributedSetup
+from nemo_wrap.auto import NeMoAutoModelForCausalLM
+from nemo_wrap.loading.options import LoadOptions
+from nemo_wrap.models.head import CHUNKABLE_FAMILIES, HeadTransform
+from nemo_wrap.training import evaluate, train_step
+from nemo_wrap.training.linear_loss import linear_cross_entropy_sum, shifted_labels
+from tests.support.families import FAMILIES, family_config
+from tests.support.tiny_models import tiny_config
+
+SEQUENCE, VOCAB = 40, 257
+FULL = LoadOptions(loss="full")
+
+
+def _batch(seed: int, rows: int = 2, packed: bool = True) -> dict[str, torch.Tensor]:
+    """A packed row (positions restart) beside a row with a masked prompt and padding."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(4, VOCAB, (rows, SEQUENCE), generator=generator)
+    labels = input_ids.clone()
+    labels[0, :7] = -100  # a prompt
+    labels[-1, 30:] = -100  # padding
+    position_ids = torch.arange(SEQUENCE).repeat(rows, 1)
+    position_ids[0, 20:] -= 20  # two examples packed in row 0
+    labels[0, 20] = -100  # no label across the packed boundary
+    batch = {"input_ids": input_ids, "labels": labels}
+    return {**batch, "position_ids": position_ids} if packed else batch
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def _one_sgd_step(config, setup, options: LoadOptions, batches) -> tuple[float, float, dict[str, torch.Tensor]]:
+    """The step's loss, the evaluation loss after it, and every parameter after one SGD step of
+    rate 1 (so each change is minus the gradient)."""
+    model = NeMoAutoModelForCausalLM.from_config(config, distributed_setup=setup, options=replace(options, seed=3))
+    loss = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), batches).loss
+    return loss, evaluate(model, batches), {name: _whole(p) for name, p in model.named_parameters()}
+
+
+def _assert_same(chunked, full, rtol: float = 1e-5) -> None:
+    (loss, evaluated, weights), (full_loss, full_evaluated, full_weights) = chunked, full
+    assert loss == pytest.approx(full_loss, rel=rtol) and evaluated == pytest.approx(full_evaluated, rel=rtol)
+    for name, value in weights.items():
+        scale = float(full_weights[name].abs().max())
+        torch.testing.assert_close(value, full_weights[name], rtol=rtol, atol=rtol * scale, msg=name)
+
+
+# -- the sum itself ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 32, 80, 1000])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_the_chunked_sum_and_its_gradients_equal_the_full_cross_entropy(chunk_tokens, softcap):
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, SEQUENCE, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(VOCAB, 16, generator=generator, requires_grad=True)
+    labels = shifted_labels(_batch(1)["labels"])
+    summed = linear_cross_entropy_sum(hidden, weight, labels, chunk_tokens, HeadTransform(softcap))
+    summed.backward()
+    chunked_grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad, weight.grad = None, None
+    logits = HeadTransform(softcap)(hidden @ weight.T)
+    full = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    full.backward()
+    torch.testing.assert_close(summed, full, rtol=1e-6, atol=0)
+    for chunked_grad, full_grad in zip(chunked_grads, (hidden.grad, weight.grad)):  # fp32: summation order only
+        torch.testing.assert_close(chunked_grad, full_grad, rtol=1e-5, atol=1e-5 * float(full_grad.abs().max()))
+
+
+# -- one process: every family the chunked path is claimed for -----------------------------------------------------
+def _family(kind: str):
+    return tiny_config(kind) if kind.startswith("own-") else family_config(kind)
+
+
+@pytest.mark.parametrize("kind", sorted(CHUNKABLE_FAMILIES & FAMILIES.keys()) + ["own-llama", "own-qwen3"])
+def test_every_chunkable_family_trains_and_evaluates_as_on_its_full_logits(kind):
+    config, batches = _family(kind), [_batch(5, packed=kind != "deepseek_v3")]  # its forward fails on packed rows
+    plan = NeMoAutoModelForCausalLM.plan(config)
+    assert "loss: chunked linear cross-entropy, 512 tokens a chunk" in str(plan)
+    _assert_same(_one_sgd_step(config, None, LoadOptions(), batches), _one_sgd_step(config, None, FULL, batches))
+
+
+def test_the_families_listed_are_those_tested():
+    assert CHUNKABLE_FAMILIES == FAMILIES.keys() - {"granite"}
+
+
+def test_what_keeps_the_full_logits_says_why_in_the_plan():
+    text = str(NeMoAutoModelForCausalLM.plan(family_config("granite")))
+    assert "loss: full logits (model_type='granite' is not verified for the chunked loss)" in text
+    text = str(NeMoAutoModelForCausalLM.plan(tiny_config("llama"), DistributedSetup.build("fsdp2", 4, pp_size=2)))
+    assert "loss: full logits (pipeline stages compute their loss in torch's schedule" in text
+    text = str(NeMoAutoModelForCausalLM.plan(tiny_config("llama"), options=FULL))
+    assert "loss: full logits (loss='full' asked)" in text
+    assert "soft-capped at 30" in str(NeMoAutoModelForCausalLM.plan(family_config("gemma2")))
+
+
+# -- several ranks -------------------------------------------------------------------------------------------------
+def _rank_batches(setup: DistributedSetup) -> list[dict[str, torch.Tensor]]:
+    rows = _batch(11, rows=4)  # the global batch, dealt over the data-parallel ranks
+    per_rank = 4 // setup.dp_size
+    return [{k: v[setup.dp_rank() * per_rank : (setup.dp_rank() + 1) * per_rank] for k, v in rows.items()}]
+
+
+def case_chunked_equals_full(strategy: str, world: int, degrees: dict, kind: str):
+    setup = DistributedSetup.build(strategy, world, **degrees)
+    config, batches = tiny_config(kind), _rank_batches(setup)
+    chunked = _one_sgd_step(config, setup, LoadOptions(), batches)
+    _assert_same(chunked, _one_sgd_step(config, setup, FULL, batches))
+    return chunked[0]
+
+
+LAYOUTS2 = {"fsdp2": ("fsdp2", {}), "ddp": ("ddp", {}), "tp2": ("fsdp2", {"tp_size": 2})}
+LAYOUTS4 = {
+    "fsdp2-tp2": ("fsdp2", {"tp_size": 2}),
+    "ddp-tp2": ("ddp", {"tp_size": 2}),
+    "hsdp": ("fsdp2", {"dp_replicate_size": 2}),
+}
+
+
+@pytest.mark.parametrize("kind", ["own-llama", "llama"])
+@pytest.mark.parametrize("layout", LAYOUTS2)
+def test_two_ranks_chunked_equals_full(ranks2, layout, kind):
+    strategy, degrees = LAYOUTS2[layout]
+    first, second = ranks2.run(case_chunked_equals_full, strategy, 2, degrees, kind)
+    assert first == second  # the step's loss is global: the same on every rank
+
+
+@pytest.mark.parametrize("layout", LAYOUTS4)
+def test_four_ranks_chunked_equals_full(ranks4, layout):
+    strategy, degrees = LAYOUTS4[layout]
+    assert len(set(ranks4.run(case_chunked_equals_full, strategy, 4, degrees, "own-llama"))) == 1
+
+
+class _LargestLogits(TorchDispatchMode):
+    """The most elements of any tensor this rank holds, produced by an operation while active,
+    whose last dimension is the whole vocabulary (logits, their softmax or their gradient,
+    gathered). The mode sees DTensors whole: what the rank holds is their local tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for produced in out if isinstance(out, (tuple, list)) else (out,):
+            tensor = produced.to_local() if isinstance(produced, DTensor) else produced
+            if isinstance(tensor, torch.Tensor) and tensor.dim() and tensor.shape[-1] == VOCAB:
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def case_tensor_parallel_never_holds_the_gathered_logits(loss: str) -> int:
+    setup = DistributedSetup.build("fsdp2", 2, tp_size=2)
+    options = LoadOptions(seed=3, loss=loss)
+    model = NeMoAutoModelForCausalLM.from_config(tiny_config("own-llama"), distributed_setup=setup, options=options)
+    batch = _batch(2, rows=2)
+    with _LargestLogits() as largest:
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), [batch])
+    return largest.largest
+
+
+def test_tensor_parallel_never_holds_a_gathered_tokens_by_vocabulary_tensor(ranks2):
+    tokens = 2 * SEQUENCE
+    chunked = ranks2.run(case_tensor_parallel_never_holds_the_gathered_logits, "chunked")
+    full = ranks2.run(case_tensor_parallel_never_holds_the_gathered_logits, "full")
+    assert min(full) >= tokens * VOCAB  # the check sees the full path's gathered logits
+    assert max(chunked) <= 2 * VOCAB  # only the last position's logits (logits_to_keep=1), on each row
