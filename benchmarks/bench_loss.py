@@ -24,7 +24,9 @@ PATHS = {"one": ("full", "chunked", "trl", "backbone"), "fsdp2": ("full", "chunk
 PATHS["tp2"] = PATHS["fsdp2"]
 
 
-def smollm2_shape() -> Any:
+def smollm2_shape(heads: int = 9, kv_heads: int = 3) -> Any:
+    """SmolLM2-135M with 2 layers; tensor parallel over 2 ranks takes 8 heads and 2 kv heads (its
+    9 and 3 do not split in two), which leaves the head and the loss as they are."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -32,8 +34,8 @@ def smollm2_shape() -> Any:
         hidden_size=576,
         intermediate_size=1536,
         num_hidden_layers=2,
-        num_attention_heads=9,
-        num_key_value_heads=3,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         tie_word_embeddings=True,
     )
 
@@ -73,7 +75,8 @@ def _model_and_step(path: str, layout: str) -> tuple[Any, Any]:
         env = initialize_distributed()
         setup = DistributedSetup.build("fsdp2", env.world_size, tp_size=2 if layout == "tp2" else 1)
     options = LoadOptions(seed=0, dtype="float32", loss="full" if path == "backbone" else path)
-    model = NeMoAutoModelForCausalLM.from_config(smollm2_shape(), distributed_setup=setup, options=options)
+    config = smollm2_shape(8, 2) if layout == "tp2" else smollm2_shape()
+    model = NeMoAutoModelForCausalLM.from_config(config, distributed_setup=setup, options=options)
     return model, _backbone_step if path == "backbone" else _our_step
 
 

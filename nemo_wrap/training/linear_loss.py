@@ -74,12 +74,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         wanted = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
         total, grad_hidden, grad_weight = _chunked_sum(hidden, weight, labels, chunk_tokens, transform, wanted)
         ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         scale = float(grad_total)  # a plain scalar: it scales a vocabulary-sharded DTensor too
-        grad_hidden, grad_weight = (None if grad is None else grad * scale for grad in ctx.saved_tensors)
+        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden = None if grad_hidden is None else grad_hidden * scale
+        grad_weight = None if grad_weight is None else (grad_weight * scale).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None
 
 
@@ -91,10 +94,11 @@ def _chunked_sum(
     transform: HeadTransform,
     wanted: tuple[bool, bool],
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The loss sum and, for the inputs ``wanted`` (hidden states, weight), its gradients."""
+    """The loss sum and, for the inputs ``wanted`` (hidden states, weight), its gradients (the
+    weight's summed over the chunks in fp32, whatever the weight's dtype, as one matmul would)."""
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.zeros_like(hidden) if wanted[0] else None
-    grad_weight = torch.zeros_like(weight) if wanted[1] else None
+    grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wanted[1] else None  # summed over chunks
     for start in range(0, labels.numel(), chunk_tokens):
         rows = slice(start, start + chunk_tokens)
         if not bool((labels[rows] != IGNORE_INDEX).any()):  # a chunk of prompt or padding adds nothing

@@ -92,6 +92,21 @@ def test_every_chunkable_family_trains_and_evaluates_as_on_its_full_logits(kind)
     _assert_same(_one_sgd_step(config, None, LoadOptions(), batches), _one_sgd_step(config, None, FULL, batches))
 
 
+def test_under_bf16_mixed_the_chunked_path_is_within_the_full_paths_own_bf16_error():
+    config, batches = tiny_config("own-llama"), [_batch(6)]
+    reference = _one_sgd_step(config, None, LoadOptions(), batches)  # fp32
+    mixed = LoadOptions(precision="bf16-mixed")
+    chunked, full = (
+        _one_sgd_step(config, None, mixed, batches),
+        _one_sgd_step(config, None, replace(mixed, loss="full"), batches),
+    )
+    for index in (0, 1):  # the step's loss, the evaluation after it
+        assert abs(chunked[index] - reference[index]) <= 2 * abs(full[index] - reference[index]) + 1e-6
+    for name, value in reference[2].items():
+        full_error = float((full[2][name] - value).abs().max())
+        assert float((chunked[2][name] - value).abs().max()) <= 2 * full_error + 1e-6, name
+
+
 def test_the_families_listed_are_those_tested():
     assert CHUNKABLE_FAMILIES == FAMILIES.keys() - {"granite"}
 
