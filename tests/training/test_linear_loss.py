@@ -9,8 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
+from peft import LoraConfig
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import BitsAndBytesConfig
 
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
@@ -18,6 +21,7 @@ from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.models.head import CHUNKABLE_FAMILIES, HeadTransform
 from nemo_wrap.training import evaluate, train_step
 from nemo_wrap.training.linear_loss import linear_cross_entropy_sum, shifted_labels
+from tests.support.checkpoints import write_checkpoint
 from tests.support.families import FAMILIES, family_config
 from tests.support.tiny_models import tiny_config
 
@@ -109,6 +113,42 @@ def test_under_bf16_mixed_the_chunked_path_is_within_the_full_paths_own_bf16_err
 
 def test_the_families_listed_are_those_tested():
     assert CHUNKABLE_FAMILIES == FAMILIES.keys() - {"granite"}
+
+
+@pytest.mark.parametrize(
+    ("config", "setup", "options", "why"),
+    [
+        (tiny_config("llama"), ("fsdp2", 4, {"cp_size": 2}), {}, "context-parallel parts compute their loss"),
+        (family_config("mixtral"), None, {}, "the load-balancing loss is assembled beside the logits"),
+        (
+            tiny_config("llama"),
+            None,
+            {"peft_config": LoraConfig(target_modules=["q_proj", "lm_head"])},
+            "LoRA adapts lm_head",
+        ),
+        (
+            tiny_config("llama"),
+            None,
+            {"adapter": "adapter-dir"},
+            "an adapter directory's target modules are read after",
+        ),
+    ],
+    ids=["cp", "router-loss", "lora-head", "adapter-dir"],
+)
+def test_each_reason_to_keep_the_full_logits_is_named_in_the_plan(config, setup, options, why):
+    if isinstance(config, transformers.MixtralConfig):
+        config.output_router_logits = True
+    built = None if setup is None else DistributedSetup.build(setup[0], setup[1], **setup[2])
+    text = str(NeMoAutoModelForCausalLM.plan(config, built, options=LoadOptions(**options)))
+    assert f"loss: full logits ({why}" in text
+
+
+def test_a_4bit_head_keeps_the_full_logits(tmp_path):
+    base = write_checkpoint(tmp_path / "base", "own-llama", "half", tie=False)
+    kept = BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["q_proj"])
+    assert "loss: full logits (lm_head is 4-bit" in str(NeMoAutoModelForCausalLM.plan(base, quantization_config=kept))
+    default = BitsAndBytesConfig(load_in_4bit=True)  # transformers keeps the output layer unquantized
+    assert "loss: chunked" in str(NeMoAutoModelForCausalLM.plan(base, quantization_config=default))
 
 
 def test_what_keeps_the_full_logits_says_why_in_the_plan():
