@@ -136,9 +136,10 @@ def test_plan_prints_as_a_short_explanation():
     assert text.splitlines()[0].startswith("load plan: NeMoLlamaForCausalLM (custom: LlamaForCausalLM is in MODEL_ARCH_MAPPING), ddp on 2 rank(s)")
     assert "weights arrive with the build: no" in text
     assert "3. read the checkpoint into place" in text and "5. shard" in text
-    # 12 lines before the precision line, which every resolved plan has (the hand-made plan this test
-    # used before the resolver had none)
-    assert len(text.splitlines()) <= 13 and text.splitlines()[-1].startswith("  precision: fp32")
+    # 12 lines before the precision and loss lines, which every resolved plan has (the hand-made plan
+    # this test used before the resolver had neither)
+    lines = text.splitlines()
+    assert len(lines) <= 14 and lines[-2].startswith("  precision: fp32") and lines[-1].startswith("  loss: chunked")
 
 
 def test_plan_of_a_checkpoint_reads_no_weights(tmp_path, monkeypatch):
