@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.errors import InvalidSetupError, UnsupportedSetupError
+from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.training import DistillationSettings, distillation_step, freeze_teacher, train_step
 from nemo_wrap.training.distillation import kd_loss_sum
 from tests.support.families import family_config
@@ -25,11 +26,12 @@ STUDENT_SEED, TEACHER_SEED = 7, 11
 GLOBAL_BATCH, SEQUENCE = 4, 16
 
 
-def _student(setup=None, kind: str = "llama"):
+def _student(setup=None, kind: str = "llama", loss: str = "chunked"):
     config = tiny_config("llama") if kind == "llama" else family_config(kind)
     if kind != "llama":
         config.output_router_logits = True  # an MoE student that adds a load-balancing loss
-    return NeMoAutoModelForCausalLM.from_config(config, distributed_setup=setup, seed=STUDENT_SEED)
+    options = LoadOptions(seed=STUDENT_SEED, loss=loss)
+    return NeMoAutoModelForCausalLM.from_config(config, distributed_setup=setup, options=options)
 
 
 def _teacher(setup=None, **overrides):
@@ -65,7 +67,11 @@ def _full_weights(model) -> dict[str, torch.Tensor]:
 # -- one process ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["llama", "mixtral"])
 def test_kd_ratio_zero_is_train_step_exactly(one_thread, kind):
-    plain, distilled, teacher = _student(kind=kind), _student(kind=kind), _teacher()
+    # distillation_step computes the whole logits (its KL needs them), so its CE part is exactly
+    # train_step's on the full path; the chunked default equals it to fp32 summation order
+    plain, distilled, teacher = _student(kind=kind, loss="full"), _student(kind=kind), _teacher()
+    chunked = _student(kind=kind)
+    chunked_sgd = torch.optim.SGD(chunked.parameters(), lr=0.5)
     plain_sgd = torch.optim.SGD(plain.parameters(), lr=0.5)
     distilled_sgd = torch.optim.SGD(distilled.parameters(), lr=0.5)
     for step in range(2):
@@ -73,8 +79,11 @@ def test_kd_ratio_zero_is_train_step_exactly(one_thread, kind):
         got = distillation_step(distilled, teacher, distilled_sgd, _micro_batches(step, micro=2), 0.0, 2.0, 1.0)
         assert (got.loss, got.grad_norm, got.label_tokens) == (expected.loss, expected.grad_norm, expected.label_tokens)
         assert got.kd_loss > 0
+        default = train_step(chunked, chunked_sgd, _micro_batches(step, micro=2), max_grad_norm=1.0)
+        assert default.loss == pytest.approx(expected.loss, rel=1e-5)
     for name, tensor in _full_weights(plain).items():
         assert torch.equal(_full_weights(distilled)[name], tensor), name
+        torch.testing.assert_close(_full_weights(chunked)[name], tensor, rtol=1e-5, atol=1e-7)
 
 
 def test_a_teacher_equal_to_the_student_gives_zero_kd_and_no_update(one_thread):
