@@ -3,9 +3,9 @@
 A job is a set of :class:`Feature` values — the parallel degrees above 1, the traits of its strategy,
 and what the caller adds (4-bit layers, compiled layers, a load-balancing loss, a distillation
 teacher…) — each named by the argument that turned it on. :data:`REFUSALS` lists the pairs that do
-not compose, why, and the way out. The load resolver, ``train_step``, ``evaluate`` and
-``distillation_step`` all call :func:`refuse_unsupported` with the features they know, so a
-refusal is written once and reads the same wherever it is met. Which degrees each strategy takes
+not compose, why, and the way out. The load resolver, ``train_step`` and ``distillation_step``
+call :func:`refuse_unsupported` with the features they know (``evaluate`` adds none a load has not
+already checked), so a refusal is written once and reads the same wherever it is met. Which degrees each strategy takes
 is the strategy registry's data (``StrategyEntry.degrees``);
 :func:`nemo_wrap.distributed.support.support_matrix` prints both, and the README shows its output
 (a test keeps them equal).
