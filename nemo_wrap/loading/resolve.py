@@ -39,7 +39,7 @@ from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import DEFAULT_CHUNK_TOKENS, Adapters, LoadPlan, LossPath, LossPlan, Step
 from nemo_wrap.models.config_checks import check_config_sizes, check_layer_count
 from nemo_wrap.models.head import head_transform
-from nemo_wrap.models.lora import lora_settings
+from nemo_wrap.models.lora import adapts_output_layer, lora_settings
 from nemo_wrap.models.parallel_support import check_context_parallel_supported, check_pipelinable
 from nemo_wrap.models.quantized.settings import QuantizationSettings, quantization_settings
 from nemo_wrap.models.registry import ModelSource
@@ -229,9 +229,7 @@ def _why_full_logits(
         return "the load-balancing loss is assembled beside the logits, not chunked yet"
     if adapters is Adapters.FILE:
         return "an adapter directory's target modules are read after the plan; lm_head may be one"
-    targets = getattr(options.peft_config, "target_modules", None) or ()
-    saved = getattr(options.peft_config, "modules_to_save", None) or ()
-    if "lm_head" in (targets if not isinstance(targets, str) else (targets,)) or "lm_head" in saved:
+    if options.peft_config is not None and adapts_output_layer(options.peft_config):
         return "LoRA adapts lm_head, whose output the chunked loss does not compute through"
     if (
         quantization is not None

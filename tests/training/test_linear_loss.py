@@ -126,6 +126,8 @@ def test_the_families_listed_are_those_tested():
             {"peft_config": LoraConfig(target_modules=["q_proj", "lm_head"])},
             "LoRA adapts lm_head",
         ),
+        (tiny_config("llama"), None, {"peft_config": LoraConfig(target_modules=r".*(q_proj|lm_head)")}, "LoRA adapts"),
+        (tiny_config("llama"), None, {"peft_config": LoraConfig(modules_to_save=["lm_head"])}, "LoRA adapts lm_head"),
         (
             tiny_config("llama"),
             None,
@@ -133,7 +135,7 @@ def test_the_families_listed_are_those_tested():
             "an adapter directory's target modules are read after",
         ),
     ],
-    ids=["cp", "router-loss", "lora-head", "adapter-dir"],
+    ids=["cp", "router-loss", "lora-head", "lora-head-regex", "lora-saved-head", "adapter-dir"],
 )
 def test_each_reason_to_keep_the_full_logits_is_named_in_the_plan(config, setup, options, why):
     if isinstance(config, transformers.MixtralConfig):
@@ -141,6 +143,13 @@ def test_each_reason_to_keep_the_full_logits_is_named_in_the_plan(config, setup,
     built = None if setup is None else DistributedSetup.build(setup[0], setup[1], **setup[2])
     text = str(NeMoAutoModelForCausalLM.plan(config, built, options=LoadOptions(**options)))
     assert f"loss: full logits ({why}" in text
+
+
+def test_lora_elsewhere_keeps_the_chunked_loss():
+    for config in (LoraConfig(target_modules="all-linear"), LoraConfig(target_modules=["q_proj", "v_proj"])):
+        assert "loss: chunked" in str(
+            NeMoAutoModelForCausalLM.plan(tiny_config("llama"), options=LoadOptions(peft_config=config))
+        )
 
 
 def test_a_4bit_head_keeps_the_full_logits(tmp_path):

@@ -19,6 +19,7 @@ from nemo_wrap.models.lora.settings import LoraSettings, lora_settings
 from nemo_wrap.models.lora.targets import (
     LoraTarget,
     adapter_parallel_entries,
+    adapts_output_layer,
     add_lora,
     find_lora_targets,
     fused_parts,
@@ -33,6 +34,7 @@ __all__ = [
     "LoraTarget",
     "ProjectionView",
     "adapter_parallel_entries",
+    "adapts_output_layer",
     "add_lora",
     "add_projection_views",
     "find_lora_targets",

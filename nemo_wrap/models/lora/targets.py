@@ -201,6 +201,14 @@ def _with_default_targets(config: LoraConfig, model_type: str) -> LoraConfig:
     return resolved
 
 
+def adapts_output_layer(config: LoraConfig) -> bool:
+    """Whether ``config`` adapts ``lm_head`` (matched as PEFT matches targets, regexes included) or
+    keeps a trainable copy of it (``modules_to_save``): its output is then not the base weight's."""
+    if "lm_head" in (config.modules_to_save or ()):
+        return True
+    return config.target_modules is not None and _matches(config, "lm_head")
+
+
 def _matches(config: LoraConfig, name: str) -> bool:
     found = check_target_module_exists(config, name)
     return bool(found) and not isinstance(found, _ExcludedModule)
