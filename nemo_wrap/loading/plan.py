@@ -78,7 +78,7 @@ class LossPlan:
             return f"full logits ({self.reason})"
         shown = "" if self.transform is None else self.transform.describe()
         return (
-            f"chunked linear cross-entropy, {self.chunk_tokens} tokens a chunk, recomputed in the backward "
+            f"chunked linear cross-entropy, {self.chunk_tokens} tokens a chunk, gradients with the loss "
             f"(never the [tokens, vocabulary] logits){shown}"
         )
 

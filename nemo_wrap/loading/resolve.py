@@ -223,10 +223,6 @@ def _why_full_logits(
     degrees, options = request.setup.degrees, request.options
     if degrees.pp > 1:
         return "pipeline stages compute their loss in torch's schedule, not chunked yet"
-    if degrees.cp > 1:
-        return "context-parallel parts compute their loss in their own step, not chunked yet"
-    if getattr(request.config.get_text_config(), "output_router_logits", False):
-        return "the load-balancing loss is assembled beside the logits, not chunked yet"
     if adapters is Adapters.FILE:
         return "an adapter directory's target modules are read after the plan; lm_head may be one"
     if options.peft_config is not None and adapts_output_layer(options.peft_config):

@@ -52,6 +52,16 @@ class HeadTransform:
             return logits
         return torch.tanh(logits / self.softcap) * self.softcap
 
+    def apply_(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The transform in place, for a loss that writes out its own gradient; returns the
+        transform's derivative at ``logits`` (``1 − tanh²``), or ``None`` where it is the identity."""
+        if self.softcap is None:
+            return None
+        tanh = logits.div_(self.softcap).tanh_()
+        slope = tanh.square().neg_().add_(1.0)
+        tanh.mul_(self.softcap)
+        return slope
+
     def describe(self) -> str:
         return "" if self.softcap is None else f", logits soft-capped at {self.softcap:g} as the family does"
 

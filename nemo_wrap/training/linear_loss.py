@@ -44,7 +44,7 @@ def linear_cross_entropy_sum(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, transform: HeadTransform
 ) -> torch.Tensor:
     """The summed cross-entropy of ``transform(hidden @ weight.T)`` against ``labels`` (already
-    shifted, ``-100`` ignored), in fp32, ``chunk_tokens`` tokens at a time.
+    shifted, ``-100`` ignored), in fp32, ``chunk_tokens`` label tokens at a time.
 
     ``hidden``: ``[..., hidden_size]`` and ``labels`` of the same leading shape; ``weight``: the
     head's, a tensor or a vocabulary-sharded DTensor (tensor parallel). Where gradients are wanted,
@@ -60,7 +60,10 @@ def linear_cross_entropy_sum(
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """The sum's gradients are computed in the forward, chunk by chunk (one forward and two
     backward matmuls a chunk, as the full path does: nothing is recomputed), and kept until the
-    backward — ``[tokens, hidden]`` and ``[vocabulary, hidden]``, never ``[tokens, vocabulary]``."""
+    backward — ``[tokens, hidden]`` and ``[vocabulary, hidden]``, never ``[tokens, vocabulary]``.
+    The backward scales them in place (a second ``[vocabulary, hidden]`` at the step's peak would
+    cost what a chunk's logits do); a second backward through a retained graph is then refused by
+    autograd's own check on modified saved tensors."""
 
     @staticmethod
     def forward(
@@ -81,9 +84,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         scale = float(grad_total)  # a plain scalar: it scales a vocabulary-sharded DTensor too
         grad_hidden, grad_weight = ctx.saved_tensors
-        grad_hidden = None if grad_hidden is None else grad_hidden * scale
-        grad_weight = None if grad_weight is None else (grad_weight * scale).to(ctx.weight_dtype)
+        grad_hidden = None if grad_hidden is None else grad_hidden.mul_(scale)
+        grad_weight = None if grad_weight is None else grad_weight.mul_(scale).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None
+
+
+_Gradients = tuple[torch.Tensor | None, torch.Tensor | None]  # (hidden states, weight): where wanted
 
 
 def _chunked_sum(
@@ -95,37 +101,84 @@ def _chunked_sum(
     wanted: tuple[bool, bool],
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The loss sum and, for the inputs ``wanted`` (hidden states, weight), its gradients (the
-    weight's summed over the chunks in fp32, whatever the weight's dtype, as one matmul would)."""
+    weight's summed over the chunks in fp32, whatever the weight's dtype, as one matmul would).
+    Only label tokens are projected: a prompt's or padding's rows add nothing, not even work."""
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    grad_hidden = torch.zeros_like(hidden) if wanted[0] else None
-    grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wanted[1] else None  # summed over chunks
-    for start in range(0, labels.numel(), chunk_tokens):
-        rows = slice(start, start + chunk_tokens)
-        if not bool((labels[rows] != IGNORE_INDEX).any()):  # a chunk of prompt or padding adds nothing
-            continue
-        with torch.enable_grad():
-            chunk_hidden = hidden[rows].detach().requires_grad_(wanted[0])
-            chunk_weight = weight.detach().requires_grad_(wanted[1])
-            loss = _chunk_loss(chunk_hidden, chunk_weight, labels[rows], transform)
-            inputs = [t for t, want in zip((chunk_hidden, chunk_weight), wanted, strict=True) if want]
-            grads = iter(torch.autograd.grad(loss, inputs) if inputs else ())
-            if grad_hidden is not None:
-                grad_hidden[rows] = next(grads)
-            if grad_weight is not None:
-                grad_weight += next(grads)
-        total += loss.detach()
-    return total, grad_hidden, grad_weight
+    gradients = (
+        torch.zeros_like(hidden) if wanted[0] else None,
+        torch.zeros_like(weight, dtype=torch.float32) if wanted[1] else None,  # summed over chunks
+    )
+    add_chunk = _add_vocab_parallel_chunk if isinstance(weight, DTensor) else _add_chunk
+    for rows in (labels != IGNORE_INDEX).nonzero().squeeze(-1).split(chunk_tokens):
+        total += add_chunk(hidden[rows].detach(), weight.detach(), labels[rows], transform, (rows, gradients))
+    return total, gradients[0], gradients[1]
 
 
-def _chunk_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, transform: HeadTransform
+def _add_chunk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    transform: HeadTransform,
+    into: tuple[torch.Tensor, _Gradients],
 ) -> torch.Tensor:
-    if isinstance(weight, DTensor):  # a vocabulary shard: every rank holds the same hidden states
-        hidden = DTensor.from_local(hidden, weight.device_mesh, [Replicate()], run_check=False)
-        labels = DTensor.from_local(labels, weight.device_mesh, [Replicate()], run_check=False)
-    logits = transform(F.linear(hidden, weight).float())
-    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    """A chunk's loss sum; its gradients added ``into`` the gradients at its ``rows``. Written
+    out, in place in the one ``[chunk, vocabulary]`` buffer, where autograd would keep the
+    log-softmax and its gradient beside the logits."""
+    rows, (grad_hidden, grad_weight) = into
+    logits = F.linear(hidden, weight).float()
+    slope = transform.apply_(logits)  # the transform's derivative, where it is not the identity
+    loss = _cross_entropy_sum_(logits, labels)
+    if grad_hidden is None and grad_weight is None:
+        return loss
+    logits.scatter_add_(1, labels.unsqueeze(1), logits.new_full((len(labels), 1), -1.0))  # softmax − one-hot
+    grad_logits = (logits if slope is None else logits.mul_(slope)).to(weight.dtype)
+    if grad_hidden is not None:
+        grad_hidden[rows] = (grad_logits @ weight).to(grad_hidden.dtype)
+    if grad_weight is None:
+        pass
+    elif grad_logits.dtype == torch.float32 and hidden.dtype == torch.float32:
+        grad_weight.addmm_(grad_logits.T, hidden)  # in place: no second [vocabulary, hidden]
+    else:
+        grad_weight += (grad_logits.T @ hidden).float()
+    return loss
+
+
+def _cross_entropy_sum_(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of fp32 ``logits`` (every label a class), leaving their softmax
+    in their place."""
+    target = logits.gather(1, labels.unsqueeze(1)).squeeze(1)
+    top = logits.amax(dim=1, keepdim=True)
+    exponentials = logits.sub_(top).exp_()
+    sums = exponentials.sum(dim=1, keepdim=True)
+    exponentials.div_(sums)
+    return (top + sums.log()).squeeze(1).sub_(target).sum()
+
+
+def _add_vocab_parallel_chunk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    transform: HeadTransform,
+    into: tuple[torch.Tensor, _Gradients],
+) -> torch.Tensor:
+    """:func:`_add_chunk` for a vocabulary-sharded weight, through torch's vocab-parallel
+    cross-entropy (``loss_parallel``): each rank reduces its own slice of the chunk's logits."""
+    rows, (grad_hidden, grad_weight) = into
+    mesh = cast(DTensor, weight).device_mesh  # every rank holds the same hidden states and labels
+    with torch.enable_grad():
+        chunk_hidden = hidden.requires_grad_(grad_hidden is not None)
+        chunk_weight = weight.requires_grad_(grad_weight is not None)
+        replica = DTensor.from_local(chunk_hidden, mesh, [Replicate()], run_check=False)
+        logits = transform(F.linear(replica, chunk_weight).float())
+        labels_replica = DTensor.from_local(labels, mesh, [Replicate()], run_check=False)
+        loss = cast(DTensor, F.cross_entropy(logits, labels_replica, reduction="sum")).full_tensor()
+        inputs = [t for t in (chunk_hidden, chunk_weight) if t.requires_grad]
+        grads = iter(torch.autograd.grad(loss, inputs) if inputs else ())
+    if grad_hidden is not None:
+        grad_hidden[rows] = next(grads)
+    if grad_weight is not None:
+        grad_weight += next(grads)
+    return loss.detach()
 
 
 def chunked_causal_lm_loss(
@@ -136,8 +189,27 @@ def chunked_causal_lm_loss(
     num_items_in_batch: int,
     plan: LossPlan,
 ) -> torch.Tensor:
-    """The model's causal-LM loss over ``num_items_in_batch`` label tokens, computed in its own
-    forward by :func:`linear_cross_entropy_sum` (``plan``: the chunk and the family's transform)."""
+    """The model's causal-LM loss of ``labels`` (unshifted, as transformers takes them) over
+    ``num_items_in_batch`` label tokens, computed in its own forward (:func:`chunked_output`)."""
+    forward_inputs = {"input_ids": input_ids, **inputs}
+    return cross_entropy_of(
+        model, chunked_output(model, forward_inputs, shifted_labels(labels), num_items_in_batch, plan)
+    )
+
+
+def chunked_output(
+    model: Any,
+    inputs: Mapping[str, Any],
+    shifted: torch.Tensor,
+    num_items_in_batch: int,
+    plan: LossPlan,
+    **forward_options: Any,
+) -> Any:
+    """The model's output for ``inputs``, its ``loss`` (:func:`cross_entropy_of`) the cross-entropy of the ``shifted``
+    labels (each position's own next token: a context-parallel part's are cut after the shift)
+    over ``num_items_in_batch`` label tokens, computed in the forward by
+    :func:`linear_cross_entropy_sum` (``plan``: the chunk and the family's transform); its logits
+    are the last position's only."""
     captured: dict[str, torch.Tensor] = {}
 
     def keep(module: nn.Module, args: Any, output: Any) -> None:
@@ -146,16 +218,14 @@ def chunked_causal_lm_loss(
     def loss_function(logits: Any, labels: torch.Tensor, *ignored: Any, **keywords: Any) -> torch.Tensor:
         weight = model.get_output_embeddings().weight  # as the strategy holds it inside the forward
         transform = plan.transform or HeadTransform()
-        summed = linear_cross_entropy_sum(
-            captured["hidden"], weight, shifted_labels(labels), plan.chunk_tokens, transform
-        )
+        summed = linear_cross_entropy_sum(captured["hidden"], weight, labels, plan.chunk_tokens, transform)
         return summed / keywords["num_items_in_batch"]
 
     handle, own = model.get_decoder().register_forward_hook(keep), vars(model).get("_loss_function")
     model.loss_function = loss_function  # transformers' own slot for a model's loss, for this forward only
     try:
-        output = model(
-            input_ids=input_ids, **inputs, labels=labels, logits_to_keep=1, num_items_in_batch=num_items_in_batch
+        return model(
+            **inputs, labels=shifted, logits_to_keep=1, num_items_in_batch=num_items_in_batch, **forward_options
         )
     finally:
         handle.remove()
@@ -163,12 +233,19 @@ def chunked_causal_lm_loss(
             del model._loss_function
         else:
             model.loss_function = own
-    return output.loss
+
+
+def cross_entropy_of(model: Any, output: Any) -> torch.Tensor:
+    """The cross-entropy in a :func:`chunked_output`'s loss: an MoE model whose config asks for
+    router logits has transformers add its load-balancing loss, of this rank's batch alone, to the
+    loss it returns; it is taken back out here (its gradient cancels exactly)."""
+    aux_loss = getattr(output, "aux_loss", None)
+    return output.loss if aux_loss is None else output.loss - model.router_aux_loss_coef * aux_loss
 
 
 def loss_context(model: nn.Module) -> AbstractContextManager[None]:
-    """Where the forward and backward of a chunked loss run: torch's vocab-parallel loss under
-    tensor parallel (the chunks recompute their loss in the backward), nothing otherwise."""
+    """Where the forward of a chunked loss runs: torch's vocab-parallel loss under tensor parallel
+    (each chunk's loss and gradients are computed there), nothing otherwise."""
     if loss_plan_of(model).path is LossPath.CHUNKED and setup_of(model).uses_tensor_parallel:
         return loss_parallel()
     return nullcontext()

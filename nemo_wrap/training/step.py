@@ -24,11 +24,11 @@ from torch import nn
 from nemo_wrap.distributed.combinations import Feature, refuse_unsupported, setup_arguments
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.loading.model_state import loss_plan_of, pipeline_of, setup_of
-from nemo_wrap.loading.plan import LossPath
+from nemo_wrap.loading.plan import LossPath, LossPlan
 from nemo_wrap.training.accumulation import no_gradient_sync
 from nemo_wrap.training.clipping import clip_grad_norm_
 from nemo_wrap.training.context_parallel_step import context_parallel_backward
-from nemo_wrap.training.linear_loss import chunked_causal_lm_loss, loss_context
+from nemo_wrap.training.linear_loss import chunked_output, cross_entropy_of, loss_context, shifted_labels
 from nemo_wrap.training.pipeline_step import (
     check_micro_batch_count,
     pipeline_clip_grad_norm_,
@@ -150,19 +150,35 @@ def _micro_batch_loss(
 ) -> torch.Tensor:
     """transformers' loss of one micro-batch over the step's global label count; for MoE models that
     add a load-balancing loss, that loss of the whole data-parallel micro-batch (this rank's share)."""
+    plan = loss_plan_of(model)
+    if plan.path is LossPath.CHUNKED:
+        return _chunked_micro_batch_loss(model, batch, label_tokens, loss_group, plan)
     if adds_router_loss(model):
         logits, router_loss = logits_and_router_loss(model, batch, loss_group)  # no labels: assembled here
         return causal_lm_loss(model, logits, label_tokens, labels=labels_of(batch)) + router_loss
-    plan = loss_plan_of(model)
-    if plan.path is LossPath.CHUNKED:
-        inputs = forward_inputs(batch)
-        return chunked_causal_lm_loss(model, batch["input_ids"], inputs, labels_of(batch), label_tokens, plan)
     return model(
         input_ids=batch["input_ids"],
         **forward_inputs(batch),
         labels=labels_of(batch),
         num_items_in_batch=label_tokens,
     ).loss
+
+
+def _chunked_micro_batch_loss(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    label_tokens: int,
+    loss_group: dist.ProcessGroup | None,
+    plan: LossPlan,
+) -> torch.Tensor:
+    """:func:`_micro_batch_loss` on the chunked path (a load-balancing loss: this rank's share of
+    the data-parallel batch's, from the router logits of the same forward)."""
+    inputs, shifted = {"input_ids": batch["input_ids"], **forward_inputs(batch)}, shifted_labels(labels_of(batch))
+    output = chunked_output(model, inputs, shifted, label_tokens, plan)
+    loss = cross_entropy_of(model, output)
+    if adds_router_loss(model):
+        loss = loss + router_loss_share(model, output.router_logits, inputs["attention_mask"], loss_group)
+    return loss
 
 
 def logits_and_router_loss(

@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 from peft import LoraConfig
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -96,6 +95,27 @@ def test_every_chunkable_family_trains_and_evaluates_as_on_its_full_logits(kind)
     _assert_same(_one_sgd_step(config, None, LoadOptions(), batches), _one_sgd_step(config, None, FULL, batches))
 
 
+ROUTED = ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe"]  # the families that add a load-balancing loss
+
+
+def _routed(kind: str):
+    config = family_config(kind)
+    config.output_router_logits = True
+    return config
+
+
+@pytest.mark.parametrize("kind", ROUTED)
+def test_a_load_balancing_loss_trains_as_on_the_full_logits(kind):
+    batch = _batch(8, packed=False)
+    batch["attention_mask"] = (torch.arange(SEQUENCE) < 30).long().repeat(2, 1)  # padding counts in no statistic
+    batch["attention_mask"][0] = 1
+    config = _routed(kind)
+    chunked, full = _one_sgd_step(config, None, LoadOptions(), [batch]), _one_sgd_step(config, None, FULL, [batch])
+    _assert_same(chunked, full)
+    no_router_loss = _one_sgd_step(family_config(kind), None, LoadOptions(), [batch])
+    assert chunked[0] - no_router_loss[0] > 1e-4  # the load-balancing loss is in the step's
+
+
 def test_under_bf16_mixed_the_chunked_path_is_within_the_full_paths_own_bf16_error():
     config, batches = tiny_config("own-llama"), [_batch(6)]
     reference = _one_sgd_step(config, None, LoadOptions(), batches)  # fp32
@@ -118,8 +138,6 @@ def test_the_families_listed_are_those_tested():
 @pytest.mark.parametrize(
     ("config", "setup", "options", "why"),
     [
-        (tiny_config("llama"), ("fsdp2", 4, {"cp_size": 2}), {}, "context-parallel parts compute their loss"),
-        (family_config("mixtral"), None, {}, "the load-balancing loss is assembled beside the logits"),
         (
             tiny_config("llama"),
             None,
@@ -135,11 +153,9 @@ def test_the_families_listed_are_those_tested():
             "an adapter directory's target modules are read after",
         ),
     ],
-    ids=["cp", "router-loss", "lora-head", "lora-head-regex", "lora-saved-head", "adapter-dir"],
+    ids=["lora-head", "lora-head-regex", "lora-saved-head", "adapter-dir"],
 )
 def test_each_reason_to_keep_the_full_logits_is_named_in_the_plan(config, setup, options, why):
-    if isinstance(config, transformers.MixtralConfig):
-        config.output_router_logits = True
     built = None if setup is None else DistributedSetup.build(setup[0], setup[1], **setup[2])
     text = str(NeMoAutoModelForCausalLM.plan(config, built, options=LoadOptions(**options)))
     assert f"loss: full logits ({why}" in text
@@ -179,17 +195,24 @@ def _rank_batches(setup: DistributedSetup) -> list[dict[str, torch.Tensor]]:
 
 def case_chunked_equals_full(strategy: str, world: int, degrees: dict, kind: str):
     setup = DistributedSetup.build(strategy, world, **degrees)
-    config, batches = tiny_config(kind), _rank_batches(setup)
+    config, batches = _routed(kind) if kind in ROUTED else tiny_config(kind), _rank_batches(setup)
     chunked = _one_sgd_step(config, setup, LoadOptions(), batches)
     _assert_same(chunked, _one_sgd_step(config, setup, FULL, batches))
     return chunked[0]
 
 
-LAYOUTS2 = {"fsdp2": ("fsdp2", {}), "ddp": ("ddp", {}), "tp2": ("fsdp2", {"tp_size": 2})}
+LAYOUTS2 = {
+    "fsdp2": ("fsdp2", {}),
+    "ddp": ("ddp", {}),
+    "tp2": ("fsdp2", {"tp_size": 2}),
+    "cp2": ("fsdp2", {"cp_size": 2}),
+}
 LAYOUTS4 = {
     "fsdp2-tp2": ("fsdp2", {"tp_size": 2}),
     "ddp-tp2": ("ddp", {"tp_size": 2}),
     "hsdp": ("fsdp2", {"dp_replicate_size": 2}),
+    "cp2-fsdp2": ("fsdp2", {"cp_size": 2}),
+    "cp2-tp2": ("fsdp2", {"cp_size": 2, "tp_size": 2}),
 }
 
 
@@ -199,6 +222,12 @@ def test_two_ranks_chunked_equals_full(ranks2, layout, kind):
     strategy, degrees = LAYOUTS2[layout]
     first, second = ranks2.run(case_chunked_equals_full, strategy, 2, degrees, kind)
     assert first == second  # the step's loss is global: the same on every rank
+
+
+@pytest.mark.parametrize("degrees", [{}, {"ep_size": 2}], ids=["fsdp2", "ep2"])
+def test_a_load_balancing_loss_of_the_data_parallel_batch_is_chunked_as_on_the_full_logits(ranks2, degrees):
+    first, second = ranks2.run(case_chunked_equals_full, "fsdp2", 2, degrees, "mixtral")
+    assert first == second
 
 
 @pytest.mark.parametrize("layout", LAYOUTS4)
