@@ -18,8 +18,9 @@ from typing import Any
 from benchmarks.common import Table, measure_main, run_measure
 
 MODULE = "benchmarks.bench_loss"
-VOCAB, STEPS = 49152, 2
-CASES = [("one", 2048, 1), ("one", 4096, 1), ("fsdp2", 4096, 2), ("tp2", 4096, 2)]
+VOCAB, STEPS = 49152, 3
+CASES = [("one", 2048, 1), ("one", 4096, 1), ("one", 8192, 1), ("fsdp2", 4096, 2), ("fsdp2", 8192, 2)]
+CASES += [("tp2", 4096, 2), ("tp2", 8192, 2)]
 PATHS = {"one": ("full", "chunked", "trl", "backbone"), "fsdp2": ("full", "chunked", "backbone")}
 PATHS["tp2"] = PATHS["fsdp2"]
 
@@ -126,6 +127,7 @@ def table() -> Table:
                     path,
                     f"{peak[path]:.0f} MiB",
                     f"{extra[path]:.0f} MiB",
+                    f"{extra[path] / peak[path]:.0%}",
                     f"{extra[path] / extra['full']:.2f}",
                     f"{seconds[path]:.2f} s",
                     f"{seconds['full'] / seconds[path]:.2f}×",
@@ -133,7 +135,7 @@ def table() -> Table:
             )
     return Table(
         "the loss, SmolLM2's shape (vocabulary 49,152, hidden 576, 2 layers), fp32, AdamW, one row",
-        ["path", "step tensor peak", "loss's extra", "÷ full's", "step", "speed vs full"],
+        ["path", "step tensor peak", "loss's extra", "its share of the peak", "÷ full's", "step", "speed vs full"],
         rows,
         note=(
             "Peak: torch's MemTracker, the worst rank; the loss's extra: that peak minus the backbone's alone "

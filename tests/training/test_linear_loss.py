@@ -95,6 +95,37 @@ def test_every_chunkable_family_trains_and_evaluates_as_on_its_full_logits(kind)
     _assert_same(_one_sgd_step(config, None, LoadOptions(), batches), _one_sgd_step(config, None, FULL, batches))
 
 
+def _trained(checkpoint, options: LoadOptions, checkpointing: bool, batches):
+    """:func:`_one_sgd_step` of a checkpoint, with activation checkpointing where asked."""
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, options=replace(options, seed=3))
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    loss = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), batches).loss
+    return loss, evaluate(model, batches), {name: _whole(p) for name, p in model.named_parameters()}
+
+
+NF4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+ADAPTED = {
+    "lora": {"peft_config": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])},
+    "dora": {"peft_config": LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True)},
+    "qlora": {"peft_config": LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), "quantization_config": NF4},
+    "plain": {},
+}
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
+@pytest.mark.parametrize("adapted", ADAPTED)
+def test_adapters_a_4bit_base_ties_and_activation_checkpointing_train_as_on_the_full_logits(
+    tmp_path, adapted, checkpointing, tie
+):
+    checkpoint, batches = write_checkpoint(tmp_path / "base", "own-llama", "random", tie=tie), [_batch(9)]
+    options = LoadOptions(**ADAPTED[adapted])
+    assert "loss: chunked" in str(NeMoAutoModelForCausalLM.plan(checkpoint, options=options))
+    chunked = _trained(checkpoint, options, checkpointing, batches)
+    _assert_same(chunked, _trained(checkpoint, replace(options, loss="full"), checkpointing, batches))
+
+
 ROUTED = ["mixtral", "qwen3_moe", "qwen2_moe", "olmoe"]  # the families that add a load-balancing loss
 
 
