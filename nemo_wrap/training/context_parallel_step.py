@@ -29,11 +29,11 @@ def _local_loss_sum(model: Any, split: SequenceSplit, num_items_in_batch: int) -
     path: chunked in the model's forward (its own pre-shifted labels), or from its whole logits."""
     plan, label_tokens = loss_plan_of(model), (split.shift_labels != IGNORE_INDEX).sum()
     if plan.path is LossPath.CHUNKED:
-        inputs = {"input_ids": split.input_ids, "position_ids": split.position_ids}
+        inputs = {"input_ids": split.input_ids, "position_ids": split.position_ids, "use_cache": False}
         with loss_context(model):
             loss = cross_entropy_of(model, chunked_output(model, inputs, split.shift_labels, num_items_in_batch, plan))
     else:
-        logits = model(input_ids=split.input_ids, position_ids=split.position_ids).logits
+        logits = model(input_ids=split.input_ids, position_ids=split.position_ids, use_cache=False).logits
         loss = causal_lm_loss(model, logits, num_items_in_batch, shift_labels=split.shift_labels)
     split.require_attention_calls(type(model).__name__)
     return loss, label_tokens

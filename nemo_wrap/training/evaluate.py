@@ -47,13 +47,14 @@ def evaluate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]]) ->
 def _batch_totals(
     model: nn.Module, batch: Mapping[str, torch.Tensor], cp_group: dist.ProcessGroup | None
 ) -> torch.Tensor:
-    """(token-loss sum, label tokens) of this rank's share of one batch."""
+    """(token-loss sum, label tokens) of this rank's share of one batch. No cache: with one, an
+    eval-mode forward would not tell a packed row's examples apart."""
     pipeline = pipeline_of(model)
     if pipeline is not None:  # forward-only through the stages
         return pipeline_evaluate_totals(model, pipeline, batch)
     if cp_group is not None:  # this rank's part of every sequence
         return context_parallel_eval_totals(model, dict(batch), cp_group)
-    plan, inputs = loss_plan_of(model), {"position_ids": batch.get("position_ids")}
+    plan, inputs = loss_plan_of(model), {"position_ids": batch.get("position_ids"), "use_cache": False}
     if plan.path is LossPath.CHUNKED:  # a sum: one "item", and a batch of no label token adds zero
         with loss_context(model):
             summed = chunked_causal_lm_loss(model, batch["input_ids"], inputs, batch["labels"], 1, plan)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,9 +53,15 @@ def labels_of(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return batch["labels"] if "labels" in batch else batch["input_ids"]
 
 
-def forward_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
-    """What a forward takes besides ``input_ids``: the optional mask and (packed) positions."""
-    return {k: batch.get(k) for k in ("attention_mask", "position_ids")}
+def forward_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """What a step's forward takes besides ``input_ids``: the optional mask and (packed) positions,
+    and no cache — with one, transformers stops telling a packed row's examples apart (its masks
+    read positions as a continuation), which an eval-mode forward would otherwise make."""
+    return {
+        "attention_mask": batch.get("attention_mask"),
+        "position_ids": batch.get("position_ids"),
+        "use_cache": False,
+    }
 
 
 def _count_label_tokens(micro_batches: Sequence[Mapping[str, torch.Tensor]], group) -> int:

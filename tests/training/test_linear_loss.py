@@ -147,6 +147,21 @@ def test_a_load_balancing_loss_trains_as_on_the_full_logits(kind):
     assert chunked[0] - no_router_loss[0] > 1e-4  # the load-balancing loss is in the step's
 
 
+@pytest.mark.parametrize("kind", ["own-llama", "llama"])
+@pytest.mark.parametrize("loss", ["chunked", "full"])
+def test_a_packed_row_is_evaluated_and_trained_as_its_examples_one_by_one(kind, loss):
+    """An eval-mode forward would make a cache, and transformers' masks would then read the packed
+    positions as one continuing sequence: each path must evaluate the examples apart."""
+    ids = torch.randint(4, VOCAB, (1, 16), generator=torch.Generator().manual_seed(4))
+    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(8).repeat(1, 2)}
+    batch["labels"][0, 8] = -100  # no label across the examples' boundary
+    model = NeMoAutoModelForCausalLM.from_config(tiny_config(kind), options=LoadOptions(seed=1, loss=loss))
+    with torch.no_grad():
+        apart = sum(float(model(input_ids=ids[:, s : s + 8], labels=ids[:, s : s + 8]).loss) for s in (0, 8)) / 2
+    assert evaluate(model, [batch]) == pytest.approx(apart, rel=1e-6)
+    assert train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [batch]).loss == pytest.approx(apart, rel=1e-6)
+
+
 def test_under_bf16_mixed_the_chunked_path_is_within_the_full_paths_own_bf16_error():
     config, batches = tiny_config("own-llama"), [_batch(6)]
     reference = _one_sgd_step(config, None, LoadOptions(), batches)  # fp32
