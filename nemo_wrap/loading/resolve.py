@@ -220,9 +220,7 @@ def _why_full_logits(
     request: LoadRequest, quantization: QuantizationSettings | None, adapters: Adapters | None
 ) -> str | None:
     """Why this load's steps need the whole logits (not built chunked yet), or None."""
-    degrees, options = request.setup.degrees, request.options
-    if degrees.pp > 1:
-        return "pipeline stages compute their loss in torch's schedule, not chunked yet"
+    options = request.options
     if adapters is Adapters.FILE:
         return "an adapter directory's target modules are read after the plan; lm_head may be one"
     if options.peft_config is not None and adapts_output_layer(options.peft_config):

@@ -2,10 +2,15 @@
 
 The caller's micro-batches are the pipeline's micro-batches: they are stacked into one batch (right-
 padded to one length, the padding ignored by the loss) that torch's schedule splits back into them.
-The last stage's loss function is transformers' causal-LM loss with the step's global label-token
-count (``num_items_in_batch``), times the data-parallel degree, as in the one-stage step, so the
-loss and gradients equal one process's. After the schedule, a tied embedding's two copies (first
-and last stage) get the sum of their gradients, and the clipping norm is taken over every stage.
+The last stage's loss is the step's loss path (the load plan's): on the full path its output is the
+logits and the schedule's loss function transformers' causal-LM loss; on the chunked path its
+forward computes :func:`~nemo_wrap.training.linear_loss.linear_cross_entropy_sum` of its final
+hidden states itself (its labels travel as a forward input; the stage module says why the forward)
+and outputs that sum. Either is divided by the step's global label-token count
+(``num_items_in_batch``) and multiplied by the data-parallel degree, as in the one-stage step, so
+the loss and gradients equal one process's. After the schedule, a tied embedding's two copies
+(first and last stage) get the sum of their gradients, and the clipping norm is taken over every
+stage.
 """
 
 from __future__ import annotations
@@ -20,9 +25,14 @@ from torch.distributed.tensor import DTensor
 
 from nemo_wrap.distributed.pipeline.layout import PipelineSchedule
 from nemo_wrap.distributed.pipeline.runtime import PipelineRuntime
+from nemo_wrap.distributed.pipeline.stage_model import HeadLoss
 from nemo_wrap.errors import InvalidModelInputError, InvalidSetupError
 from nemo_wrap.initialization.geometry import local_shard
+from nemo_wrap.loading.model_state import loss_plan_of
+from nemo_wrap.loading.plan import LossPath
+from nemo_wrap.models.head import HeadTransform
 from nemo_wrap.training.clipping import gradient_norm, scale_gradients_
+from nemo_wrap.training.linear_loss import linear_cross_entropy_sum, loss_context, shifted_labels
 from nemo_wrap.training.token_loss import IGNORE_INDEX, causal_lm_loss, token_loss_totals
 
 _PADDING = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
@@ -48,15 +58,18 @@ def pipeline_forward_backward(
     """Run the schedule over ``micro_batches``; return this pipeline's loss sum on every stage."""
     stacked = stack_micro_batches(micro_batches)
     layout = runtime.layout
+    head_loss, loss_inputs = _head_loss_inputs(model, runtime, stacked)
 
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int) -> torch.Tensor:
+    def loss_fn(output: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int) -> torch.Tensor:
         # times dp: undoes the data-parallel gradient averaging, as the one-stage step does
-        return causal_lm_loss(model, logits, num_items_in_batch, labels=labels) * dp_size
+        if head_loss is not None:  # the last stage's output is its chunked loss sum
+            return output.sum() / num_items_in_batch * dp_size
+        return causal_lm_loss(model, output, num_items_in_batch, labels=labels) * dp_size
 
     rows = micro_batches[0]["input_ids"].shape[0]
     schedule = runtime.schedule_for((rows, stacked["input_ids"].shape[1]), len(micro_batches), loss_fn)
     losses: list[torch.Tensor] = []
-    with runtime.module.driven():
+    with runtime.module.driven(head_loss), loss_context(model):
         schedule.step(
             *((stacked["input_ids"],) if layout.is_first else ()),
             target=stacked["labels"] if layout.is_last else None,
@@ -64,10 +77,30 @@ def pipeline_forward_backward(
             loss_kwargs={"num_items_in_batch": label_tokens},
             return_outputs=False,
             **_side_inputs(stacked),
+            **loss_inputs,
         )
     sum_tied_gradients(model, runtime)
     local = sum(loss.detach().float().cpu() for loss in losses) / dp_size if losses else torch.zeros(())
     return _from_last_stage(torch.as_tensor(local, dtype=torch.float32), runtime)
+
+
+def _head_loss_inputs(
+    model: nn.Module, runtime: PipelineRuntime, stacked: Mapping[str, torch.Tensor]
+) -> tuple[HeadLoss | None, dict[str, Any]]:
+    """On the chunked path, the head loss the last stage computes in its forward and the labels
+    it takes as a forward input (the schedule splits them with the micro-batches); nothing on the
+    full path, whose last stage outputs the logits."""
+    plan = loss_plan_of(model)
+    if plan.path is not LossPath.CHUNKED:
+        return None, {}
+    transform = plan.transform or HeadTransform()
+
+    def head_loss(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        weight = cast(Any, model).get_output_embeddings().weight  # read in the stage's forward: gathered
+        summed = linear_cross_entropy_sum(hidden, weight, shifted_labels(labels), plan.chunk_tokens, transform)
+        return summed.reshape(1)  # one entry per micro-batch: torch's schedule concatenates outputs
+
+    return head_loss, ({"labels": stacked["labels"]} if runtime.layout.is_last else {})
 
 
 def stack_micro_batches(micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -146,10 +179,15 @@ def pipeline_evaluate_totals(
     """(loss sum, label tokens) of one batch, forward-only through the stages, on every stage."""
     stacked = stack_micro_batches([batch])
     schedule = runtime.schedule_for(tuple(stacked["input_ids"].shape), 1, None)
-    with runtime.module.driven(), torch.no_grad():
-        logits = schedule.step(*((stacked["input_ids"],) if runtime.layout.is_first else ()), **_side_inputs(stacked))
+    head_loss, loss_inputs = _head_loss_inputs(model, runtime, stacked)
+    first = (stacked["input_ids"],) if runtime.layout.is_first else ()
+    with runtime.module.driven(head_loss), loss_context(model), torch.no_grad():
+        output = schedule.step(*first, **_side_inputs(stacked), **loss_inputs)
     totals = torch.zeros(2, dtype=torch.float64)
-    if runtime.layout.is_last:
-        totals += token_loss_totals(logits[..., :-1, :], stacked["labels"][..., 1:])
+    if runtime.layout.is_last and head_loss is not None:  # the chunked loss sum
+        tokens = (stacked["labels"][..., 1:] != IGNORE_INDEX).sum()
+        totals += torch.tensor([float(output.sum()), float(tokens)], dtype=torch.float64)
+    elif runtime.layout.is_last:
+        totals += token_loss_totals(output[..., :-1, :], stacked["labels"][..., 1:])
     dist.all_reduce(totals, group=runtime.group)
     return totals

@@ -1,6 +1,7 @@
 """The chunked loss: the head and the cross-entropy a chunk of tokens at a time, never the whole
 logits — equal to the full path (loss and every gradient) in one process and under ddp, fsdp2,
-HSDP and tensor parallel (vocab-parallel, no gathered ``[tokens, vocabulary]`` tensor)."""
+HSDP, tensor parallel (vocab-parallel, no gathered ``[tokens, vocabulary]`` tensor) and pipeline
+stages (alone, × fsdp2 and × tp: the last stage computes it in its forward)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from peft import LoraConfig
 from torch.distributed.tensor import DTensor
@@ -16,7 +18,9 @@ from transformers import BitsAndBytesConfig
 
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
+from nemo_wrap.loading.model_state import loss_plan_of
 from nemo_wrap.loading.options import LoadOptions
+from nemo_wrap.loading.plan import LossPath
 from nemo_wrap.models.head import CHUNKABLE_FAMILIES, HeadTransform
 from nemo_wrap.training import evaluate, train_step
 from nemo_wrap.training.linear_loss import linear_cross_entropy_sum, shifted_labels
@@ -226,7 +230,7 @@ def test_what_keeps_the_full_logits_says_why_in_the_plan():
     text = str(NeMoAutoModelForCausalLM.plan(family_config("granite")))
     assert "loss: full logits (model_type='granite' is not verified for the chunked loss)" in text
     text = str(NeMoAutoModelForCausalLM.plan(tiny_config("llama"), DistributedSetup.build("fsdp2", 4, pp_size=2)))
-    assert "loss: full logits (pipeline stages compute their loss in torch's schedule" in text
+    assert "loss: chunked linear cross-entropy" in text  # the last pipeline stage computes it in its forward
     text = str(NeMoAutoModelForCausalLM.plan(tiny_config("llama"), options=FULL))
     assert "loss: full logits (loss='full' asked)" in text
     assert "soft-capped at 30" in str(NeMoAutoModelForCausalLM.plan(family_config("gemma2")))
@@ -285,14 +289,18 @@ def test_four_ranks_chunked_equals_full(ranks4, layout):
 class _LargestLogits(TorchDispatchMode):
     """The most elements of any tensor this rank holds, produced by an operation while active,
     whose last dimension is the whole vocabulary (logits, their softmax or their gradient,
-    gathered). The mode sees DTensors whole: what the rank holds is their local tensor."""
+    gathered). The mode sees DTensors whole: what the rank holds is their local tensor.
+    ``new_only``: views are not counted (a whole head's ``weight.t()`` has the vocabulary last,
+    and allocates nothing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, new_only: bool = False) -> None:
         super().__init__()
-        self.largest = 0
+        self.largest, self.new_only = 0, new_only
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.new_only and func.is_view:
+            return out
         for produced in out if isinstance(out, (tuple, list)) else (out,):
             tensor = produced.to_local() if isinstance(produced, DTensor) else produced
             if isinstance(tensor, torch.Tensor) and tensor.dim() and tensor.shape[-1] == VOCAB:
@@ -316,3 +324,115 @@ def test_tensor_parallel_never_holds_a_gathered_tokens_by_vocabulary_tensor(rank
     full = ranks2.run(case_tensor_parallel_never_holds_the_gathered_logits, "full")
     assert min(full) >= tokens * VOCAB  # the check sees the full path's gathered logits
     assert max(chunked) <= 2 * VOCAB  # only the last position's logits (logits_to_keep=1), on each row
+
+
+# -- pipeline stages: the last stage computes the chunked loss in its forward ---------------------------------------
+PIPELINE_CHUNK = 8  # tokens a chunk: a micro-batch's 40 tokens take 5 chunks, some all -100
+
+
+def _pipeline_micro_batches(dp_rank: int, dp_size: int) -> list[dict[str, torch.Tensor]]:
+    """The global batch of 4 rows (a prompt, padding, a packed row), dealt over the data-parallel
+    ranks, one row per micro-batch."""
+    rows, per_rank = _batch(11, rows=4), 4 // dp_size
+    return [
+        {k: v[row : row + 1] for k, v in rows.items()} for row in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    ]
+
+
+def _gradients_of_one_step(config, setup, options: LoadOptions, micro_batches) -> dict:
+    """The step's loss, every parameter's gradient as the optimizer is handed it, the evaluation
+    after that SGD step (rate 1), and the largest tensor with the vocabulary last this rank
+    allocated in the step and the evaluation. Chunks of 8 tokens."""
+    model = NeMoAutoModelForCausalLM.from_config(config, distributed_setup=setup, options=replace(options, seed=3))
+    # one process's evaluate runs in eval mode, where transformers' cache stops it from keeping the
+    # packed row's examples apart (the stages never cache): compared without that cache
+    model.config.use_cache = False
+    plan = loss_plan_of(model)
+    if plan.path is LossPath.CHUNKED:
+        model.load_report.plan = replace(model.load_report.plan, loss=replace(plan, chunk_tokens=PIPELINE_CHUNK))
+    optimizer, parameters, gradients = torch.optim.SGD(model.parameters(), lr=1.0), dict(model.named_parameters()), {}
+    optimizer.register_step_pre_hook(lambda *_: gradients.update({n: _whole(p.grad) for n, p in parameters.items()}))
+    with _LargestLogits(new_only=True) as largest:
+        loss = train_step(model, optimizer, micro_batches).loss
+        evaluated = evaluate(model, micro_batches)
+    return {"path": plan.path, "loss": loss, "eval": evaluated, "gradients": gradients, "largest": largest.largest}
+
+
+PIPELINE_MODELS = {"untied": ("own-llama", False), "tied": ("own-llama", True), "tied-transformers": ("llama", True)}
+
+
+def case_pipeline_chunked_and_full(degrees: dict, schedule: str, models: list[str]) -> dict:
+    setup = DistributedSetup.build("fsdp2", dist.get_world_size(), pp_size=2, pp_schedule=schedule, **degrees)
+    micro_batches = _pipeline_micro_batches(setup.dp_rank(), setup.dp_size)
+    results = {"stage": setup.pp_rank()}
+    for name in models:
+        kind, tied = PIPELINE_MODELS[name]
+        config = tiny_config(kind, tie_word_embeddings=tied)
+        for options in (LoadOptions(), FULL):
+            results[name, options.loss] = _gradients_of_one_step(config, setup, options, micro_batches)
+    return results
+
+
+def _differences(step: dict, reference: dict) -> dict[str, float]:
+    """Relative differences: of the loss, of the evaluation, and the largest of any gradient's
+    (its largest element difference over its largest element)."""
+    gradients = {
+        name: float((gradient - reference["gradients"][name]).abs().max() / reference["gradients"][name].abs().max())
+        for name, gradient in step["gradients"].items()
+    }
+    worst = max(gradients, key=gradients.__getitem__)
+    return {
+        "loss": abs(step["loss"] / reference["loss"] - 1),
+        "eval": abs(step["eval"] / reference["eval"] - 1),
+        f"gradient ({worst})": gradients[worst],
+    }
+
+
+def _one_process(models: list[str]) -> dict:
+    """One process's step of each model on the whole batch, on either path."""
+    steps = {}
+    for name in models:
+        kind, tied = PIPELINE_MODELS[name]
+        config = tiny_config(kind, tie_word_embeddings=tied)
+        for options in (LoadOptions(), FULL):
+            steps[name, options.loss] = _gradients_of_one_step(config, None, options, _pipeline_micro_batches(0, 1))
+    return steps
+
+
+def _check_pipeline(results: list[dict], one: dict, models: list[str]) -> None:
+    """On every rank, each path's step equals one process's on the same path, and the chunked
+    path equals the full path (the stages', one process's): loss, evaluation and every gradient,
+    fp32, to 1e-5 (of the tensor's largest element). The last stage never allocated a
+    ``[tokens, vocabulary]`` tensor on the chunked path."""
+    for name in models:
+        names = one[name, LossPath.FULL]["gradients"].keys()
+        assert set().union(*(r[name, LossPath.FULL]["gradients"] for r in results)) == names
+        for result in results:
+            where = f"{name}, stage {result['stage']}"
+            chunked, full = result[name, LossPath.CHUNKED], result[name, LossPath.FULL]
+            assert chunked["path"] is LossPath.CHUNKED and full["path"] is LossPath.FULL, where
+            for step, reference, what in (
+                (chunked, one[name, LossPath.CHUNKED], "chunked / one process's chunked"),
+                (full, one[name, LossPath.FULL], "full / one process's full"),
+                (chunked, full, "chunked / full"),
+                (chunked, one[name, LossPath.FULL], "chunked / one process's full"),
+            ):
+                differences = _differences(step, reference)
+                print(f"{where}, {what}: {differences}")
+                assert max(differences.values()) <= 1e-5, f"{where}, {what}: {differences}"
+            if result["stage"] == 1:  # a micro-batch holds 40 tokens; the chunked path never 40 rows of logits
+                assert chunked["largest"] <= PIPELINE_CHUNK * VOCAB < SEQUENCE * VOCAB <= full["largest"], where
+
+
+def test_two_pipeline_stages_compute_the_chunked_loss_as_the_full_path_and_one_process(ranks2):
+    models = ["untied", "tied", "tied-transformers"]
+    one = _one_process(models)
+    for schedule in ("1f1b", "gpipe"):
+        _check_pipeline(ranks2.run(case_pipeline_chunked_and_full, {}, schedule, models, timeout=240), one, models)
+
+
+@pytest.mark.parametrize("degrees", [{}, {"tp_size": 2}], ids=["pp-fsdp2", "pp-tp"])
+def test_pipeline_stages_under_fsdp2_and_tensor_parallel_compute_the_chunked_loss_as_one_process(ranks4, degrees):
+    models = ["untied", "tied"]
+    results = ranks4.run(case_pipeline_chunked_and_full, degrees, "1f1b", models, timeout=300)
+    _check_pipeline(results, _one_process(models), models)

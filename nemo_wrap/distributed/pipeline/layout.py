@@ -86,7 +86,7 @@ class StageLayout:
 
     @property
     def holds_head(self) -> bool:
-        """The last stage computes the logits; the first holds the head when it is the tied embedding."""
+        """The last stage computes the head; the first holds it too when it is the tied embedding."""
         return self.is_last or (self.is_first and self.tied_embeddings)
 
     def describe(self) -> str:

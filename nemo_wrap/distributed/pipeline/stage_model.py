@@ -7,7 +7,9 @@ stage is the identity, an embedding or LM head held elsewhere raises if called. 
 forward then runs on every stage — masks, rotary embeddings and per-layer attention types stay
 transformers' code — fed with token ids on the first stage and with the received hidden states
 (``inputs_embeds``) on the others; the last stage runs the whole causal-LM forward, so a family's
-logit scaling or soft-capping applies.
+logit scaling or soft-capping applies — or, when the steps' loss is chunked, the backbone and then
+that loss of its final hidden states, inside the same forward (:meth:`PipelineStageModule.forward`
+says why there), so the ``[tokens, vocabulary]`` logits never exist.
 
 This needs transformers' layout (``<backbone>.layers``, ``.embed_tokens``, ``.norm``, ``lm_head``)
 and a backbone that does not rescale ``inputs_embeds`` itself (that would scale every stage's input
@@ -16,7 +18,7 @@ again); other families are refused by name.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,6 +28,9 @@ from transformers import PreTrainedModel
 
 from nemo_wrap.distributed.pipeline.layout import StageLayout
 from nemo_wrap.errors import PipelineUsageError, UnsupportedModelError
+
+# The last stage's loss from its final (normed) hidden states and its micro-batch's labels.
+HeadLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class LayerOnAnotherStage(nn.Module):
@@ -140,6 +145,7 @@ class PipelineStageModule(nn.Module):
         self.language_model: Any = model  # a transformers causal LM (typed loosely: nn.Module's __getattr__)
         self.layout = layout
         self._running = False
+        self._head_loss: HeadLoss | None = None
 
     @property
     def _no_split_modules(self) -> list[str]:  # where FSDP places its per-layer units
@@ -151,25 +157,44 @@ class PipelineStageModule(nn.Module):
         return self._running
 
     @contextmanager
-    def driven(self) -> Iterator[None]:
-        self._running = True
+    def driven(self, head_loss: HeadLoss | None = None) -> Iterator[None]:
+        """A schedule drives the stage for the duration; with ``head_loss`` the last stage's forward
+        returns that loss wherever it is given ``labels`` (the training layer owns the loss, this
+        module only the place it runs in)."""
+        self._running, self._head_loss = True, head_loss
         try:
             yield
         finally:
-            self._running = False
+            self._running, self._head_loss = False, None
 
     def forward(
         self,
         activations: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token ids (first stage) or hidden states (the others) → hidden states, or logits (last)."""
+        """Token ids (first stage) or hidden states (the others) → hidden states; on the last stage
+        the logits, or, given ``labels``, the head loss of the final hidden states.
+
+        The loss is computed here rather than by the schedule's ``loss_fn`` on this output because
+        this module is the stage's FSDP root: the head's weight is the gathered tensor only between
+        FSDP's pre-forward and post-forward hooks (with ``reshard_after_forward`` set, as this
+        package sets it, the root reshards after its forward, and a weight read in ``loss_fn`` is
+        the rank's ``Shard(0)`` DTensor); and FSDP's pre-backward hook, which gathers the weight
+        again for the backward and brings its gradient to the reduce-scatter, is registered on this
+        forward's output — here the loss. It is the place the head's own forward would use the
+        weight, so the strategy's mixed precision and a tensor-parallel shard apply alike.
+        """
         inputs: dict[str, Any] = {"input_ids" if self.layout.is_first else "inputs_embeds": activations}
         inputs.update(position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
-        if self.layout.is_last:
+        if not self.layout.is_last:
+            return self.language_model.base_model(**inputs).last_hidden_state
+        if labels is None:
             return self.language_model(**inputs).logits
-        return self.language_model.base_model(**inputs).last_hidden_state
+        if self._head_loss is None:
+            raise PipelineUsageError("the last stage was given labels without a loss: drive it with driven(head_loss)")
+        return self._head_loss(self.language_model.base_model(**inputs).last_hidden_state, labels)
 
 
 def refuse_outside_schedule(stage: PipelineStageModule) -> Any:
