@@ -13,13 +13,20 @@ tokens (positions whose shifted label is not -100), divided by the step's label 
 micro-batch of every data-parallel rank, and back-propagated scaled by the dp degree to undo the
 managers' gradient averaging; so under DDP or FSDP2 the loss and the gradients are one process's
 on the whole batch. The teacher runs in eval mode under ``no_grad``, one micro-batch at a time (its
-logits are dropped after each), and the KL is computed in float32. Under tensor parallel the
-lm_head gathers the logits over the vocabulary (a ``Replicate`` output, see
-:mod:`nemo_wrap.distributed.tensor_parallel`), so every tp rank computes the same whole loss, as
-transformers' cross-entropy does there. A pipeline stage or a context-parallel part holds no whole
-logits of its rows: pp and cp are refused before any collective. Under plain DDP the teacher is
-loaded without a setup (every rank holds the whole model either way; DDP's ``replicate`` refuses a
-model that takes no gradient); under FSDP2 (and DDP × TP) it is sharded like the student.
+logits are dropped after each), and the KL is computed in float32.
+
+Where the student's loss plan is chunked (:func:`.linear_distillation.distillation_loss_plan`),
+neither model's ``[tokens, vocabulary]`` logits are formed: both losses are computed from the
+final hidden states a chunk of tokens at a time, in the student's forward
+(:mod:`.linear_distillation`, which also says how a sharded teacher's head is read). A student
+keeps the whole logits under tensor parallel, with a load-balancing loss, or with
+``loss="full"``; under tensor parallel the lm_head then gathers them over the vocabulary (a
+``Replicate`` output, see :mod:`nemo_wrap.distributed.tensor_parallel`), so every tp rank computes
+the same whole loss, as transformers' cross-entropy does there. A pipeline stage or a
+context-parallel part holds no whole logits of its rows: pp and cp are refused before any
+collective. Under plain DDP the teacher is loaded without a setup (every rank holds the whole
+model either way; DDP's ``replicate`` refuses a model that takes no gradient); under FSDP2 (and
+DDP × TP) it is sharded like the student.
 """
 
 from __future__ import annotations
@@ -37,7 +44,9 @@ from torch import nn
 from nemo_wrap.distributed.combinations import Feature, refuse_unsupported, setup_arguments
 from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.loading.model_state import setup_of
+from nemo_wrap.loading.plan import LossPath
 from nemo_wrap.training.accumulation import no_gradient_sync
+from nemo_wrap.training.linear_distillation import ChunkedDistillation, check_same_vocabulary, distillation_loss_plan
 from nemo_wrap.training.step import (
     StepResult,
     forward_inputs,
@@ -124,10 +133,16 @@ def distillation_step(
     dp_size = 1 if group is None else dist.get_world_size(group)
     label_tokens = global_label_tokens(micro_batches, group, "distillation_step")
     teacher.eval()
+    chunked = None
+    if distillation_loss_plan(student).path is LossPath.CHUNKED:  # reads the teacher's head: a collective
+        chunked = ChunkedDistillation(student, teacher, kd_ratio, temperature)
     sums = torch.zeros(3)  # loss, CE, KD: float32 like train_step's loss sum
     for index, batch in enumerate(micro_batches):
         with nullcontext() if index == len(micro_batches) - 1 else no_gradient_sync(student):
-            losses = _micro_batch_losses(student, teacher, batch, label_tokens, (kd_ratio, temperature), group)
+            if chunked is not None:
+                losses = chunked.losses(batch, label_tokens)
+            else:
+                losses = _micro_batch_losses(student, teacher, batch, label_tokens, (kd_ratio, temperature), group)
             (losses[0] * dp_size).backward()  # the managers average over dp: scaled back to the sum
         sums += torch.stack([loss.detach().float().cpu() for loss in losses])
     grad_norm = optimizer_update(student, optimizer, max_grad_norm)
@@ -145,17 +160,13 @@ def _micro_batch_losses(
     mix: tuple[float, float],
     group: dist.ProcessGroup | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, CE, KD) of one micro-batch, each over the step's global label count; ``mix`` is
-    ``(kd_ratio, temperature)``."""
+    """(loss, CE, KD) of one micro-batch from both models' whole logits, each over the step's global
+    label count; ``mix`` is ``(kd_ratio, temperature)``."""
     kd_ratio, temperature = mix
     logits, router_loss = logits_and_router_loss(student, batch, group)
     with torch.no_grad():
         teacher_logits = teacher(input_ids=batch["input_ids"], **forward_inputs(batch)).logits
-    if teacher_logits.shape[-1] != logits.shape[-1]:
-        raise InvalidSetupError(
-            f"distillation_step: the teacher's logits have {teacher_logits.shape[-1]} vocabulary entries, "
-            f"the student's {logits.shape[-1]}; the models must share one vocabulary"
-        )
+    check_same_vocabulary(teacher_logits.shape[-1], logits.shape[-1])
     labels = labels_of(batch)
     ce = causal_lm_loss(student, logits, label_tokens, labels=labels)
     kd = kd_loss_sum(logits, teacher_logits, labels, temperature) / label_tokens
