@@ -49,13 +49,10 @@ from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.loading.model_state import loss_plan_of, setup_of
 from nemo_wrap.loading.plan import LossPath, LossPlan
 from nemo_wrap.models.head import HeadTransform
-from nemo_wrap.training.linear_loss import shifted_labels
+from nemo_wrap.training.linear_loss import output_with_loss, shifted_labels
 from nemo_wrap.training.router_loss import adds_router_loss
 from nemo_wrap.training.step import forward_inputs, labels_of
 from nemo_wrap.training.token_loss import IGNORE_INDEX
-
-# A chunk's loss, computed in the student's forward: (final hidden states, head weight, shifted labels) -> loss
-InForwardLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def distillation_loss_plan(student: nn.Module) -> LossPlan:
@@ -139,7 +136,8 @@ class ChunkedDistillation:
             mixed, parts["ce"], parts["kd"] = cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], summed)
             return mixed
 
-        total = _in_forward_loss(self._student, batch, label_tokens, loss)
+        inputs = {"input_ids": batch["input_ids"], **forward_inputs(batch)}
+        total = output_with_loss(self._student, inputs, shifted_labels(labels_of(batch)), label_tokens, loss).loss
         return total, parts["ce"] / label_tokens, parts["kd"] / label_tokens
 
     def _teacher_chunks(self, batch: Mapping[str, torch.Tensor]) -> _TeacherChunks:
@@ -198,38 +196,6 @@ def _keeper(captured: dict[str, torch.Tensor]) -> Callable[[nn.Module, Any, Any]
     return keep
 
 
-def _in_forward_loss(
-    model: Any, batch: Mapping[str, torch.Tensor], label_tokens: int, loss: InForwardLoss
-) -> torch.Tensor:
-    """``loss`` of ``model``'s final hidden states and head weight over ``label_tokens``, computed in
-    its own forward (transformers' ``loss_function`` slot, for this forward only), so the weight is
-    the one its strategy gathers there and its gradient goes where the strategy's hooks expect."""
-    captured: dict[str, torch.Tensor] = {}
-
-    def loss_function(logits: Any, labels: torch.Tensor, *ignored: Any, **keywords: Any) -> torch.Tensor:
-        weight = model.get_output_embeddings().weight
-        return loss(captured["hidden"], weight, shifted_labels(labels)) / keywords["num_items_in_batch"]
-
-    handle = model.get_decoder().register_forward_hook(_keeper(captured))
-    own = vars(model).get("_loss_function")
-    model.loss_function = loss_function
-    try:
-        output = model(
-            input_ids=batch["input_ids"],
-            **forward_inputs(batch),
-            labels=labels_of(batch),
-            logits_to_keep=1,
-            num_items_in_batch=label_tokens,
-        )
-    finally:
-        handle.remove()
-        if own is None:
-            del model._loss_function
-        else:
-            model.loss_function = own
-    return output.loss
-
-
 class _ChunkedMixedLoss(torch.autograd.Function):
     """``(1 − kd_ratio) · CE + kd_ratio · KD`` summed over the label tokens, with the CE and KD sums
     beside it (values, not differentiated). The mix's gradients are computed in the forward, chunk
@@ -256,8 +222,8 @@ class _ChunkedMixedLoss(torch.autograd.Function):
     def backward(ctx: Any, grad_mixed: torch.Tensor, *ignored: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         scale = float(grad_mixed)
         grad_hidden, grad_weight = ctx.saved_tensors
-        grad_hidden = None if grad_hidden is None else grad_hidden * scale
-        grad_weight = None if grad_weight is None else (grad_weight * scale).to(ctx.weight_dtype)
+        grad_hidden = None if grad_hidden is None else grad_hidden.mul_(scale)  # in place, as linear_loss's
+        grad_weight = None if grad_weight is None else grad_weight.mul_(scale).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None
 
 

@@ -18,7 +18,7 @@ a gathered row of logits.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
@@ -203,13 +203,31 @@ def chunked_output(
     shifted: torch.Tensor,
     num_items_in_batch: int,
     plan: LossPlan,
-    **forward_options: Any,
 ) -> Any:
-    """The model's output for ``inputs``, its ``loss`` (:func:`cross_entropy_of`) the cross-entropy of the ``shifted``
-    labels (each position's own next token: a context-parallel part's are cut after the shift)
-    over ``num_items_in_batch`` label tokens, computed in the forward by
-    :func:`linear_cross_entropy_sum` (``plan``: the chunk and the family's transform); its logits
-    are the last position's only."""
+    """The model's output for ``inputs``, its ``loss`` (:func:`cross_entropy_of`) the cross-entropy
+    of the ``shifted`` labels (each position's own next token: a context-parallel part's are cut
+    after the shift) over ``num_items_in_batch`` label tokens, computed by
+    :func:`linear_cross_entropy_sum` (``plan``: the chunk and the family's transform) in the forward."""
+    transform = plan.transform or HeadTransform()
+
+    def cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy_sum(hidden, weight, labels, plan.chunk_tokens, transform)
+
+    return output_with_loss(model, inputs, shifted, num_items_in_batch, cross_entropy)
+
+
+# A loss sum of (the final hidden states, the head's weight as the strategy holds it in the forward,
+# the shifted labels), computed in the model's own forward by :func:`output_with_loss`.
+InForwardLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def output_with_loss(
+    model: Any, inputs: Mapping[str, Any], shifted: torch.Tensor, num_items_in_batch: int, loss: InForwardLoss
+) -> Any:
+    """The model's output for ``inputs``, its ``loss`` that of ``loss`` over ``num_items_in_batch``,
+    computed in the forward — in transformers' ``loss_function`` slot, the decoder's output kept by
+    a hook, the head projecting only the last position — so the weight is the one the strategy
+    gathers there, and its gradient goes where the strategy's hooks expect it."""
     captured: dict[str, torch.Tensor] = {}
 
     def keep(module: nn.Module, args: Any, output: Any) -> None:
@@ -217,16 +235,12 @@ def chunked_output(
 
     def loss_function(logits: Any, labels: torch.Tensor, *ignored: Any, **keywords: Any) -> torch.Tensor:
         weight = model.get_output_embeddings().weight  # as the strategy holds it inside the forward
-        transform = plan.transform or HeadTransform()
-        summed = linear_cross_entropy_sum(captured["hidden"], weight, labels, plan.chunk_tokens, transform)
-        return summed / keywords["num_items_in_batch"]
+        return loss(captured["hidden"], weight, labels) / keywords["num_items_in_batch"]
 
     handle, own = model.get_decoder().register_forward_hook(keep), vars(model).get("_loss_function")
     model.loss_function = loss_function  # transformers' own slot for a model's loss, for this forward only
     try:
-        return model(
-            **inputs, labels=shifted, logits_to_keep=1, num_items_in_batch=num_items_in_batch, **forward_options
-        )
+        return model(**inputs, labels=shifted, logits_to_keep=1, num_items_in_batch=num_items_in_batch)
     finally:
         handle.remove()
         if own is None:

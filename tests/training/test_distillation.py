@@ -68,25 +68,23 @@ def _full_weights(model) -> dict[str, torch.Tensor]:
 # -- one process ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["llama", "mixtral"])
 @pytest.mark.parametrize("loss", ["full", "chunked"])
-def test_kd_ratio_zero_is_train_step_exactly(one_thread, kind, loss):
-    # on either loss path (the MoE student, which adds a load-balancing loss, takes the full one
-    # whatever it asks) the CE part is train_step's own computation, so a step with kd_ratio=0 is
-    # train_step's exactly; the chunked path equals the full one to fp32 summation order
+def test_kd_ratio_zero_is_train_step(one_thread, kind, loss):
+    # on the full path the CE part is train_step's own computation, so a step with kd_ratio=0 is
+    # train_step's exactly; on the chunked path (written out in train_step, through autograd chunk by
+    # chunk in distillation_step; the MoE student's load-balancing loss keeps distillation on the
+    # full one) it is train_step's to fp32 summation order
     plain, distilled, teacher = _student(kind=kind, loss=loss), _student(kind=kind, loss=loss), _teacher()
-    reference = _student(kind=kind, loss="full")
     plain_sgd = torch.optim.SGD(plain.parameters(), lr=0.5)
     distilled_sgd = torch.optim.SGD(distilled.parameters(), lr=0.5)
-    reference_sgd = torch.optim.SGD(reference.parameters(), lr=0.5)
+    exact = loss == "full"
     for step in range(2):
         expected = train_step(plain, plain_sgd, _micro_batches(step, micro=2), max_grad_norm=1.0)
         got = distillation_step(distilled, teacher, distilled_sgd, _micro_batches(step, micro=2), 0.0, 2.0, 1.0)
-        assert (got.loss, got.grad_norm, got.label_tokens) == (expected.loss, expected.grad_norm, expected.label_tokens)
-        assert got.kd_loss > 0
-        full = train_step(reference, reference_sgd, _micro_batches(step, micro=2), max_grad_norm=1.0)
-        assert expected.loss == pytest.approx(full.loss, rel=1e-5)
+        assert got.label_tokens == expected.label_tokens and got.kd_loss > 0
+        rel = 0 if exact else 1e-5
+        assert got.loss == pytest.approx(expected.loss, rel=rel) and got.grad_norm == pytest.approx(expected.grad_norm, rel=rel)
     for name, tensor in _full_weights(plain).items():
-        assert torch.equal(_full_weights(distilled)[name], tensor), name
-        torch.testing.assert_close(_full_weights(reference)[name], tensor, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(_full_weights(distilled)[name], tensor, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-7)
 
 
 def test_a_teacher_equal_to_the_student_gives_zero_kd_and_no_update(one_thread):

@@ -344,9 +344,6 @@ def _gradients_of_one_step(config, setup, options: LoadOptions, micro_batches) -
     after that SGD step (rate 1), and the largest tensor with the vocabulary last this rank
     allocated in the step and the evaluation. Chunks of 8 tokens."""
     model = NeMoAutoModelForCausalLM.from_config(config, distributed_setup=setup, options=replace(options, seed=3))
-    # one process's evaluate runs in eval mode, where transformers' cache stops it from keeping the
-    # packed row's examples apart (the stages never cache): compared without that cache
-    model.config.use_cache = False
     plan = loss_plan_of(model)
     if plan.path is LossPath.CHUNKED:
         model.load_report.plan = replace(model.load_report.plan, loss=replace(plan, chunk_tokens=PIPELINE_CHUNK))
