@@ -118,6 +118,12 @@ class LoadSection(Checked):
         None, "hold linear layers in 4 bits: nf4 | fp4 (the qlora extra)", "--quantization", _one_of("nf4", "fp4")
     )
     compile: bool = option(False, "torch.compile each decoder layer (not with tp)", "--compile")
+    loss: str = option(
+        "chunked",
+        "the steps' loss: chunked (never the whole logits) | full (to compare)",
+        "--loss",
+        _one_of("chunked", "full"),
+    )
 
 
 @dataclass(frozen=True)

@@ -68,11 +68,12 @@ def sft_config(recipe: Recipe) -> SFTConfig:
 
 
 def load_options(recipe: Recipe, **options: Any) -> LoadOptions:
-    """The load request of the recipe: precision and 4-bit quantization, plus what the command adds."""
+    """The load request of the recipe: precision, 4-bit quantization and the steps' loss path, plus
+    what the command adds."""
     from nemo_wrap.loading.options import LoadOptions
 
     precision = None if recipe.load.precision is None else Precision.parse(recipe.load.precision, "load.precision")
-    return LoadOptions(precision=precision, quantization_config=_quantization(recipe), **options)
+    return LoadOptions(precision=precision, quantization_config=_quantization(recipe), loss=recipe.load.loss, **options)
 
 
 def _quantization(recipe: Recipe) -> Any:

@@ -186,7 +186,7 @@ def _step_function(
         NeMoAutoModelForCausalLM.from_pretrained(
             settings.teacher,
             distributed_setup=DistributedSetup.single_process() if whole else setup,
-            options=LoadOptions(precision=config.load.precision),
+            options=LoadOptions(precision=config.load.precision, loss=config.load.loss),
         )
     )
 

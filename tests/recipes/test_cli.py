@@ -80,6 +80,9 @@ def test_plan_describes_a_job_without_launching_it(cache, capsys):
     assert main(["plan", "--nproc", "4", "--tp-size", "2", "--precision", "bf16-mixed"]) == 0
     out = capsys.readouterr().out
     assert "precision: bf16-mixed: fp32 master weights and optimizer state, bf16 compute (fully_shard's" in out
+    assert "loss: chunked linear cross-entropy, 512 tokens a chunk" in out
+    assert main(["plan", "--loss", "full"]) == 0
+    assert "loss: full logits (loss='full' asked)" in capsys.readouterr().out
 
 
 def test_qlora_finetunes_the_default_and_saves_an_adapter(cache, tmp_path, capsys):
