@@ -49,7 +49,7 @@ from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.loading.model_state import loss_plan_of, setup_of
 from nemo_wrap.loading.plan import LossPath, LossPlan
 from nemo_wrap.models.head import HeadTransform
-from nemo_wrap.training.linear_loss import output_with_loss, shifted_labels
+from nemo_wrap.training.linear_loss import output_with_loss, saved_gradients_scaled, shifted_labels
 from nemo_wrap.training.router_loss import adds_router_loss
 from nemo_wrap.training.step import forward_inputs, labels_of
 from nemo_wrap.training.token_loss import IGNORE_INDEX
@@ -220,11 +220,7 @@ class _ChunkedMixedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_mixed: torch.Tensor, *ignored: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        scale = float(grad_mixed)
-        grad_hidden, grad_weight = ctx.saved_tensors
-        grad_hidden = None if grad_hidden is None else grad_hidden.mul_(scale)  # in place, as linear_loss's
-        grad_weight = None if grad_weight is None else grad_weight.mul_(scale).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return *saved_gradients_scaled(ctx, grad_mixed), None, None, None
 
 
 def _chunked_sums(

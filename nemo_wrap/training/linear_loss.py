@@ -82,11 +82,18 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        scale = float(grad_total)  # a plain scalar: it scales a vocabulary-sharded DTensor too
-        grad_hidden, grad_weight = ctx.saved_tensors
-        grad_hidden = None if grad_hidden is None else grad_hidden.mul_(scale)
-        grad_weight = None if grad_weight is None else grad_weight.mul_(scale).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return *saved_gradients_scaled(ctx, grad_total), None, None, None
+
+
+def saved_gradients_scaled(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The backward of a loss whose forward computed and saved its gradients (hidden states,
+    weight): them times the loss's incoming gradient, in place, the weight's in the weight's dtype
+    (``ctx.weight_dtype``)."""
+    scale = float(grad_total)  # a plain scalar: it scales a vocabulary-sharded DTensor too
+    grad_hidden, grad_weight = ctx.saved_tensors
+    grad_hidden = None if grad_hidden is None else grad_hidden.mul_(scale)
+    grad_weight = None if grad_weight is None else grad_weight.mul_(scale).to(ctx.weight_dtype)
+    return grad_hidden, grad_weight
 
 
 _Gradients = tuple[torch.Tensor | None, torch.Tensor | None]  # (hidden states, weight): where wanted
@@ -134,11 +141,9 @@ def _add_chunk(
     grad_logits = (logits if slope is None else logits.mul_(slope)).to(weight.dtype)
     if grad_hidden is not None:
         grad_hidden[rows] = (grad_logits @ weight).to(grad_hidden.dtype)
-    if grad_weight is None:
-        pass
-    elif grad_logits.dtype == torch.float32 and hidden.dtype == torch.float32:
+    if grad_weight is not None and grad_logits.dtype == hidden.dtype == torch.float32:
         grad_weight.addmm_(grad_logits.T, hidden)  # in place: no second [vocabulary, hidden]
-    else:
+    elif grad_weight is not None:
         grad_weight += (grad_logits.T @ hidden).float()
     return loss
 
@@ -208,17 +213,22 @@ def chunked_output(
     of the ``shifted`` labels (each position's own next token: a context-parallel part's are cut
     after the shift) over ``num_items_in_batch`` label tokens, computed by
     :func:`linear_cross_entropy_sum` (``plan``: the chunk and the family's transform) in the forward."""
-    transform = plan.transform or HeadTransform()
-
-    def cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy_sum(hidden, weight, labels, plan.chunk_tokens, transform)
-
-    return output_with_loss(model, inputs, shifted, num_items_in_batch, cross_entropy)
+    return output_with_loss(model, inputs, shifted, num_items_in_batch, planned_cross_entropy(plan))
 
 
 # A loss sum of (the final hidden states, the head's weight as the strategy holds it in the forward,
 # the shifted labels), computed in the model's own forward by :func:`output_with_loss`.
 InForwardLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def planned_cross_entropy(plan: LossPlan) -> InForwardLoss:
+    """:func:`linear_cross_entropy_sum` with the chunk and the family's transform of ``plan``."""
+    transform = plan.transform or HeadTransform()
+
+    def cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy_sum(hidden, weight, labels, plan.chunk_tokens, transform)
+
+    return cross_entropy
 
 
 def output_with_loss(

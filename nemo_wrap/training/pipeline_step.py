@@ -30,9 +30,8 @@ from nemo_wrap.errors import InvalidModelInputError, InvalidSetupError
 from nemo_wrap.initialization.geometry import local_shard
 from nemo_wrap.loading.model_state import loss_plan_of
 from nemo_wrap.loading.plan import LossPath
-from nemo_wrap.models.head import HeadTransform
 from nemo_wrap.training.clipping import gradient_norm, scale_gradients_
-from nemo_wrap.training.linear_loss import linear_cross_entropy_sum, loss_context, shifted_labels
+from nemo_wrap.training.linear_loss import loss_context, planned_cross_entropy, shifted_labels
 from nemo_wrap.training.token_loss import IGNORE_INDEX, causal_lm_loss, token_loss_totals
 
 _PADDING = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
@@ -93,12 +92,11 @@ def _head_loss_inputs(
     plan = loss_plan_of(model)
     if plan.path is not LossPath.CHUNKED:
         return None, {}
-    transform = plan.transform or HeadTransform()
+    cross_entropy = planned_cross_entropy(plan)
 
     def head_loss(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         weight = cast(Any, model).get_output_embeddings().weight  # read in the stage's forward: gathered
-        summed = linear_cross_entropy_sum(hidden, weight, shifted_labels(labels), plan.chunk_tokens, transform)
-        return summed.reshape(1)  # one entry per micro-batch: torch's schedule concatenates outputs
+        return cross_entropy(hidden, weight, shifted_labels(labels)).reshape(1)  # the schedule concatenates
 
     return head_loss, ({"labels": stacked["labels"]} if runtime.layout.is_last else {})
 
