@@ -193,6 +193,8 @@ def render_plan(plan: LoadPlan) -> str:
         lines.append(f"  LoRA adapters: {how}{dtype}; only they are trainable")
     if setup.is_collective:
         lines.append(f"  sharding: {plan.shard_reason}")
+        if setup.uses_fsdp:  # what the strategy's groups hold gathered, and when: a speed-for-memory choice
+            lines.append(f"  {setup.strategy} groups: {setup.options}")
         lines += [f"  parallelism: {line}" for line in setup.describe_degrees()]
     lines += [f"  pipeline {stage.describe()}" for stage in plan.stages]
     lines += [f"  experts: {line}" for line in (plan.experts.describe() if plan.experts else [])]

@@ -25,6 +25,7 @@ from typing import Any
 from nemo_wrap.distributed import PRECISIONS
 from nemo_wrap.distributed.pipeline import SCHEDULES
 from nemo_wrap.distributed.strategies import strategy_names
+from nemo_wrap.distributed.strategies.fsdp2 import ReshardAfterForward
 from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.recipes.schedule import LearningRateSchedule
 from nemo_wrap.recipes.trackers import REPORT_TO_NAMES
@@ -96,6 +97,13 @@ class DistributedSection(Checked):
     pp_size: int = option(1, "pipeline-parallel stages (fsdp2)", "--pp-size", _positive)
     ep_size: int = option(1, "expert-parallel degree of MoE layers (fsdp2)", "--ep-size", _positive)
     pp_schedule: str = option("1f1b", "pipeline schedule: 1f1b | gpipe", "--pp-schedule", _one_of(*SCHEDULES))
+    reshard_after_forward: str | None = option(
+        None,
+        "fsdp2: which FSDP groups free their gathered parameters after the forward: layers (the default: "
+        "the head stays gathered into the backward) | always | never",
+        "--reshard-after-forward",
+        _one_of(*ReshardAfterForward.words()),
+    )
     max_restarts: int = option(
         0,
         "restarts of every rank after one fails (with --nproc; add --resume auto)",

@@ -104,8 +104,12 @@ def _lora(recipe: Recipe) -> Any:
 
 
 def distributed_setup(recipe: Recipe, world_size: int) -> DistributedSetup:
-    """The setup the recipe's degrees describe, on ``world_size`` ranks."""
+    """The setup the recipe's degrees describe, on ``world_size`` ranks (an unset strategy option:
+    the strategy's own default)."""
     d = recipe.distributed
+    options: dict[str, Any] = (
+        {} if d.reshard_after_forward is None else {"reshard_after_forward": d.reshard_after_forward}
+    )
     return DistributedSetup.build(
         d.strategy,
         world_size,
@@ -115,4 +119,5 @@ def distributed_setup(recipe: Recipe, world_size: int) -> DistributedSetup:
         pp_size=d.pp_size,
         ep_size=d.ep_size,
         pp_schedule=d.pp_schedule,
+        **options,
     )

@@ -20,9 +20,9 @@ states, and its head weight is read whole once per step, outside any forward: a 
 sharded by FSDP2 or HSDP) is gathered with ``full_tensor()``, an all-gather every rank makes at
 the same point of the step. Reading a parameter's value outside FSDP's hooks is sound here only
 because the teacher is frozen: no gradient is owed to the gathered copy, and the copy is ours.
-FSDP2's root does not reshard after a forward (it counts on the backward), so the teacher's root
-is resharded with FSDP2's own ``reshard()`` before the read and after each of its forwards: the
-registered head is then the shard (never FSDP's gathered copy), and the step holds one whole
+FSDP2's root frees what it holds gathered at the end of a forward with gradients off (the
+strategy's hook, ``ReshardAfterForward``), and is resharded before the read: the registered head
+is then the shard (never FSDP's gathered copy), and the step holds one whole
 ``[vocabulary, hidden]`` head of the teacher, its own. An unsharded teacher's weight is used as it
 is. A teacher whose loss plan keeps the full logits (``loss="full"``, a family whose head is not
 verified) or that is tensor parallel gives its whole logits under ``no_grad`` instead and each
@@ -146,7 +146,6 @@ class ChunkedDistillation:
                 logits = self._teacher(input_ids=batch["input_ids"], **forward_inputs(batch)).logits
             else:
                 hidden = _final_hidden_states(self._teacher, batch)
-        _drop_gathered_root(self._teacher)  # the chunks use the step's own copy of the head, or the logits
         if self._teacher_head is None:
             return _TeacherChunks(logits.reshape(-1, logits.shape[-1]))
         weight, transform = self._teacher_head
@@ -167,11 +166,9 @@ def _whole_teacher_head(teacher: nn.Module) -> tuple[torch.Tensor, HeadTransform
 
 
 def _drop_gathered_root(teacher: nn.Module) -> None:
-    """Free what FSDP2 gathered for a teacher's root (its embeddings and head): the root does not
-    reshard after its forward, counting on the backward to, and a ``no_grad`` forward has none, so
-    the gathered parameters would stay registered, beside the step's copy of the head, until
-    something reshards them. ``reshard`` is FSDP2's own call for this (a no-op where nothing is
-    gathered)."""
+    """Free what FSDP2 holds gathered in a teacher's root: a forward with gradients on, that no
+    backward followed, leaves it registered, and a reference to it would be freed under us at the
+    next reshard. ``reshard`` is FSDP2's own call for this (a no-op where nothing is gathered)."""
     if isinstance(teacher, FSDPModule):
         teacher.reshard()
 

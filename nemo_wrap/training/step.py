@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from nemo_wrap.distributed.combinations import Feature, refuse_unsupported, setup_arguments
 from nemo_wrap.distributed.setup import DistributedSetup
@@ -74,8 +75,10 @@ def _count_label_tokens(micro_batches: Sequence[Mapping[str, torch.Tensor]], gro
 
 
 def global_label_tokens(micro_batches: Sequence[Mapping[str, torch.Tensor]], group, caller: str) -> int:
-    """The step's label tokens over every micro-batch of every rank of ``group``; none is an error."""
-    label_tokens = _count_label_tokens(micro_batches, group)
+    """The step's label tokens over every micro-batch of every rank of ``group``; none is an error.
+    Named in torch's profiler (``nemo_wrap::`` ranges are the step's own bookkeeping)."""
+    with record_function("nemo_wrap::count_label_tokens"):
+        label_tokens = _count_label_tokens(micro_batches, group)
     if label_tokens == 0:
         raise ValueError(f"{caller}: the micro-batches hold no label token on any rank (all labels are -100)")
     return label_tokens
@@ -110,9 +113,11 @@ def train_step(
         scale = dp_size * (1 if cp_group is None else dist.get_world_size(cp_group))
         loss_sum = _forward_backward(model, micro_batches, label_tokens, scale, cp_group, loss_group)
     grad_norm = optimizer_update(model, optimizer, max_grad_norm)
-    if loss_group is not None:  # every data-parallel rank's tokens (and every cp rank's part of them)
-        dist.all_reduce(loss_sum, group=loss_group)
-    return StepResult(loss=float(loss_sum), grad_norm=grad_norm, label_tokens=label_tokens)
+    with record_function("nemo_wrap::reduce_loss"):
+        if loss_group is not None:  # every data-parallel rank's tokens (and every cp rank's part of them)
+            dist.all_reduce(loss_sum, group=loss_group)
+        loss = float(loss_sum)
+    return StepResult(loss=loss, grad_norm=grad_norm, label_tokens=label_tokens)
 
 
 def optimizer_update(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> float | None:

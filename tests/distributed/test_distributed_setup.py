@@ -13,7 +13,7 @@ from nemo_wrap import (
     NeMoWrapError,
     StrategyUnavailableError,
 )
-from nemo_wrap.distributed.strategies.fsdp2 import FSDP2Options
+from nemo_wrap.distributed.strategies.fsdp2 import FSDP2Options, ReshardAfterForward
 
 
 # -- pure data, one process --------------------------------------------------------------------
@@ -30,7 +30,8 @@ from nemo_wrap.distributed.strategies.fsdp2 import FSDP2Options
         (dict(strategy="fsdp2", world_size=2, bucket_cap_mb=25), "bucket_cap_mb"),
         (dict(strategy="ddp", world_size=2, reshard_after_forward=False), "reshard_after_forward"),
         (dict(strategy="fsdp2", world_size=2, param_dtype="bf16"), "param_dtype"),
-        (dict(strategy="fsdp2", world_size=2, reshard_after_forward="yes"), "reshard_after_forward"),
+        (dict(strategy="fsdp2", world_size=2, reshard_after_forward="yes"), "reshard_after_forward='yes'"),
+        (dict(strategy="fsdp2", world_size=2, reshard_after_forward=False), "'layers', 'always', 'never'"),
     ],
 )
 def test_invalid_arguments_name_the_argument(kwargs, named):
@@ -74,10 +75,17 @@ def test_derived_facts(strategy, world, tp, mesh, dp, fsdp):
 
 
 def test_setup_is_frozen_comparable_and_describable_without_a_process_group():
-    setup = DistributedSetup.build("fsdp2", world_size=8, tp_size=2, reshard_after_forward=False, param_dtype=torch.bfloat16)
-    assert setup == DistributedSetup.build("fsdp2", 8, 2, param_dtype=torch.bfloat16, reshard_after_forward=False)
-    assert hash(setup) == hash(DistributedSetup.build("fsdp2", 8, 2, param_dtype=torch.bfloat16, reshard_after_forward=False))
-    assert setup.options == FSDP2Options(reshard_after_forward=False, param_dtype=torch.bfloat16)
+    setup = DistributedSetup.build(
+        "fsdp2", world_size=8, tp_size=2, reshard_after_forward="never", param_dtype=torch.bfloat16
+    )
+    assert setup == DistributedSetup.build("fsdp2", 8, 2, param_dtype=torch.bfloat16, reshard_after_forward="never")
+    assert hash(setup) == hash(
+        DistributedSetup.build("fsdp2", 8, 2, param_dtype=torch.bfloat16, reshard_after_forward="never")
+    )
+    assert setup.options == FSDP2Options(reshard_after_forward=ReshardAfterForward.NEVER, param_dtype=torch.bfloat16)
+    assert "reshard after forward: never, the next layer gathered while one computes, param_dtype=torch.bfloat16" in setup.describe()
+    assert "no prefetch" in DistributedSetup.build("fsdp2", 8, prefetch=False).describe()
+    assert "reshard after forward: layers" in DistributedSetup.build("fsdp2", 8).describe()
     with pytest.raises(AttributeError):
         setup.world_size = 4  # type: ignore[misc]
     text = setup.describe()

@@ -74,3 +74,65 @@ def case_generate_when_ranks_stop_at_different_steps(strategy: str, tp_size: int
 def test_generate_does_not_hang_when_ranks_stop_at_different_steps(ranks2, strategy, tp_size):
     new_tokens = ranks2.run(case_generate_when_ranks_stop_at_different_steps, strategy, tp_size, timeout=60)
     assert new_tokens[0] <= new_tokens[1] == 6  # rank 0 stopped early (padded), rank 1 ran to the end
+
+
+def case_what_stays_gathered(tied: bool, policy: str, prefetch: bool) -> dict[str, dict[str, bool]]:
+    """Which FSDP2 groups hold their parameters gathered (a plain tensor registered, not the
+    rank's DTensor shard) after a training forward, after its backward, after a forward without
+    gradients (generation) and after ``evaluate``;
+    and the losses of four steps, which neither the policy nor the prefetch may change."""
+    from torch.distributed.tensor import DTensor
+
+    from nemo_wrap.training import evaluate, train_step
+
+    setup = DistributedSetup.build("fsdp2", 2, reshard_after_forward=policy, prefetch=prefetch)
+    config = tiny_config("llama", tie_word_embeddings=tied)
+    model = NeMoAutoModelForCausalLM.from_config(config, distributed_setup=setup, seed=0)
+    ids = torch.arange(16).reshape(2, 8) * 7 % 257
+
+    def gathered() -> dict[str, bool]:
+        held = {"layer": model.model.layers[0].self_attn.q_proj.weight, "embedding": model.model.embed_tokens.weight}
+        held |= {"norm": model.model.norm.weight, "head": model.lm_head.weight}
+        return {name: not isinstance(tensor, DTensor) for name, tensor in held.items()}
+
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    states = {"after forward": gathered()}
+    loss.backward()
+    states["after backward"] = gathered()
+    with torch.no_grad():
+        model(input_ids=ids)
+    states["after a forward without gradients"] = gathered()
+    evaluate(model, [{"input_ids": ids, "labels": ids}])
+    states["after evaluate"] = gathered()
+    model.zero_grad(set_to_none=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = [train_step(model, optimizer, [{"input_ids": ids[i : i + 1]}]).loss for i in range(2) for _ in range(2)]
+    return {"states": states, "losses": losses}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_reshard_policy_decides_what_stays_gathered_and_changes_no_loss(ranks2, tied):
+    """``layers`` (the default): the layers and an untied embedding reshard after their forward,
+    the root (final norm, head; a tied embedding) stays gathered into the backward; ``always``
+    reshards everything, ``never`` nothing. A backward, and a forward without gradients
+    (``evaluate``, generation), leave nothing gathered.
+    Gathering the next layer ahead (``prefetch``, asynchronous on the CPU) changes none of it."""
+    runs = {policy: ranks2.run(case_what_stays_gathered, tied, policy, True) for policy in ("layers", "always", "never")}
+    runs["layers-no-prefetch"] = ranks2.run(case_what_stays_gathered, tied, "layers", False)
+    root = {"norm": True, "head": True}
+    expected = {
+        "layers": {"layer": False, "embedding": tied, **root},
+        "always": {"layer": False, "embedding": False, "norm": False, "head": False},
+        "never": {"layer": True, "embedding": True, **root},
+    }
+    nothing = dict.fromkeys(("layer", "embedding", "norm", "head"), False)
+    for policy, per_rank in runs.items():
+        for result in per_rank:
+            assert result["states"] == {
+                "after forward": expected[policy.removesuffix("-no-prefetch")],
+                "after backward": nothing,
+                "after a forward without gradients": nothing,
+                "after evaluate": nothing,
+            }, policy
+            assert result["losses"] == runs["always"][0]["losses"], policy

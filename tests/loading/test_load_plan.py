@@ -140,6 +140,8 @@ def test_plan_prints_as_a_short_explanation():
     # this test used before the resolver had neither)
     lines = text.splitlines()
     assert len(lines) <= 14 and lines[-2].startswith("  precision: fp32") and lines[-1].startswith("  loss: chunked")
+    fsdp2 = str(_resolve(True, DistributedSetup.build("fsdp2", 2, reshard_after_forward="never"), True, LoadOptions()))
+    assert "  fsdp2 groups: reshard after forward: never, the next layer gathered while one computes" in fsdp2
 
 
 def test_plan_of_a_checkpoint_reads_no_weights(tmp_path, monkeypatch):

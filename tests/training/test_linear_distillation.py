@@ -169,14 +169,14 @@ def test_the_students_the_chunked_step_leaves_on_the_full_path_are_named():
 def case_chunked_step_per_layout() -> dict[str, list[tuple[tuple[float, float, float], dict]]]:
     """Each layout's two steps (the optimizer's rate is 0: the same step twice) on this rank's two
     rows, one micro-batch each. fsdp2 shards the teacher too: its head is gathered whole with
-    full_tensor. With torch's own ``reshard_after_forward=None`` the root stays gathered after a
+    full_tensor. By default (``reshard_after_forward="layers"``) the root stays gathered after a
     forward no backward follows; the step reshards it, so the next step reads the shards again
-    and never FSDP's gathered copy. ddp's teacher is whole."""
+    and never FSDP's gathered copy; with ``always`` it is resharded by FSDP. ddp's teacher is whole."""
     results = {}
     layouts = {
         "ddp": ("ddp", {}),
         "fsdp2": ("fsdp2", {}),
-        "fsdp2-root-kept": ("fsdp2", {"reshard_after_forward": None}),
+        "fsdp2-root-resharded": ("fsdp2", {"reshard_after_forward": "always"}),
     }
     for name, (strategy, options) in layouts.items():
         setup = DistributedSetup.build(strategy, 2, **options)
@@ -194,7 +194,7 @@ def test_two_ranks_chunked_equal_one_process_full(ranks2, one_thread):
     student, teacher = _models("llama-qwen2", "full")
     expected = _step(student, teacher, _one_process_batches(), 0.5)
     for per_layout in ranks2.run(case_chunked_step_per_layout):
-        assert per_layout.keys() == {"ddp", "fsdp2", "fsdp2-root-kept"}
+        assert per_layout.keys() == {"ddp", "fsdp2", "fsdp2-root-resharded"}
         for layout, steps in per_layout.items():
             for got in steps:
                 assert _assert_same(got, expected), layout
