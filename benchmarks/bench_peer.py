@@ -102,10 +102,6 @@ class Layout:
         return self.size("dp_replicate_size") * self.size("fsdp_size")
 
     @property
-    def moe(self) -> bool:
-        return self.model == "moe"
-
-    @property
     def ours(self) -> dict[str, Any]:
         """``DistributedSetup.build``'s degrees (the FSDP shard degree is derived from the rest)."""
         return {k: v for k, v in self.sizes.items() if k in ("tp_size", "dp_replicate_size", "ep_size")}
@@ -339,7 +335,7 @@ def _row(label: str, runs: list[list[dict]], facts: dict, layout: Layout, refere
     filled in by the caller."""
     if "error" in runs[0][0]:
         return [label, str(layout.ranks), f"fails: {runs[0][0]['error']}", *["—"] * 11]
-    rows = min(runs, key=lambda rs: max(r["step_seconds"] for r in rs))
+    rows = _fastest(runs)
     load = min(max(r["load_seconds"] for r in rs) for rs in runs)
     floors = [_floor_mib(facts, layout, r["baseline_mib"]) for r in rows]
     step = max(r["step_seconds"] for r in rows)
@@ -364,9 +360,14 @@ def _row(label: str, runs: list[list[dict]], facts: dict, layout: Layout, refere
     ]
 
 
+def _fastest(runs: list[list[dict]]) -> list[dict]:
+    """The run (its ranks' rows) whose slowest rank's step was fastest."""
+    return min(runs, key=lambda rs: max(r["step_seconds"] for r in rs))
+
+
 def _peak_cell(ours: list[list[dict]], peer: list[list[dict]]) -> str:
     """peer ÷ ours of the worst rank's peak RSS in each side's fastest run (≥ 1: ours smaller)."""
-    fastest = [min(runs, key=lambda rs: max(r["step_seconds"] for r in rs)) for runs in (ours, peer)]
+    fastest = [_fastest(runs) for runs in (ours, peer)]
     return f"{max(r['peak_mib'] for r in fastest[1]) / max(r['peak_mib'] for r in fastest[0]):.2f}"
 
 

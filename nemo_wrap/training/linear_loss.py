@@ -9,8 +9,9 @@ computed with its loss, so its logits are freed before the next chunk's exist: o
 
 The loss is computed inside the model's own forward — in transformers' ``loss_function`` slot,
 with the head projecting only the last position (``logits_to_keep=1``) — so the head's weight is
-what the strategy makes of it there: gathered by FSDP2's root pre-forward (and gathered again for
-the backward by FSDP's hooks on the forward's ``loss`` output), a replica under DDP, and under
+what the strategy makes of it there: gathered by FSDP2's root pre-forward (kept gathered into the
+backward by default; with ``reshard_after_forward="always"`` gathered again there by FSDP's hooks
+on the forward's ``loss`` output), a replica under DDP, and under
 tensor parallel the rank's vocabulary shard: the loss is then torch's vocab-parallel
 cross-entropy (``loss_parallel``), each rank reducing its own slice of every chunk, no rank holding
 a gathered row of logits.

@@ -179,8 +179,8 @@ class PipelineStageModule(nn.Module):
 
         The loss is computed here rather than by the schedule's ``loss_fn`` on this output because
         this module is the stage's FSDP root: the head's weight is the gathered tensor only between
-        FSDP's pre-forward and post-forward hooks (with ``reshard_after_forward`` set, as this
-        package sets it, the root reshards after its forward, and a weight read in ``loss_fn`` is
+        FSDP's pre-forward and post-forward hooks (with ``reshard_after_forward="always"`` the
+        root reshards after its forward, and a weight read in ``loss_fn`` is
         the rank's ``Shard(0)`` DTensor); and FSDP's pre-backward hook, which gathers the weight
         again for the backward and brings its gradient to the reduce-scatter, is registered on this
         forward's output — here the loss. It is the place the head's own forward would use the
