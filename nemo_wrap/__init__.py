@@ -23,6 +23,7 @@ from nemo_wrap.errors import (
     DistributedStateError,
     InvalidSetupError,
     LoadVerificationError,
+    MemoryPredictionError,
     MissingExtraError,
     MissingWeightsError,
     NeMoWrapError,
@@ -51,6 +52,9 @@ _LAZY = {
     "LoadReport": "nemo_wrap.loading.provenance",
     "save_checkpoint": "nemo_wrap.checkpoint",
     "load_checkpoint": "nemo_wrap.checkpoint",
+    "predict_memory": "nemo_wrap.memory",
+    "TrainingShape": "nemo_wrap.memory",
+    "MemoryPrediction": "nemo_wrap.memory",
 }
 
 
@@ -72,6 +76,8 @@ __all__ = [
     "LoadPlan",
     "LoadReport",
     "LoadVerificationError",
+    "MemoryPrediction",
+    "MemoryPredictionError",
     "MissingExtraError",
     "MissingWeightsError",
     "ModelSpec",
@@ -84,6 +90,7 @@ __all__ = [
     "ShardingError",
     "Strategy",
     "StrategyUnavailableError",
+    "TrainingShape",
     "UnexpectedKeysError",
     "UnsafeCheckpointError",
     "UnsupportedModelError",
@@ -92,6 +99,7 @@ __all__ = [
     "destroy_distributed",
     "initialize_distributed",
     "load_checkpoint",
+    "predict_memory",
     "register_architecture",
     "save_checkpoint",
 ]

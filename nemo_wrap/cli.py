@@ -23,6 +23,7 @@ a recipe and launches; :mod:`nemo_wrap.recipes.job` turns the recipe into what t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -42,19 +43,27 @@ from nemo_wrap.recipes.config_file import (
     recipe_fields,
     recipe_to_yaml,
 )
-from nemo_wrap.recipes.job import RECIPE_FILE, distributed_setup, load_options, model_path, sft_config, write_recipe
+from nemo_wrap.recipes.job import (
+    RECIPE_FILE,
+    distributed_setup,
+    load_options,
+    model_path,
+    sft_config,
+    training_shape,
+    write_recipe,
+)
 from nemo_wrap.recipes.preemption import PREEMPTED_EXIT_STATUS
 
 _COMMANDS = ("finetune", "plan", "report")
 # The recipe sections whose flags each command takes (any command reads a whole recipe file).
 _COMMAND_SECTIONS = {
     "finetune": None,  # all of them
-    "plan": ("model", "distributed", "load"),
+    "plan": None,  # all of them: it predicts the memory of the very job finetune would run
     "report": ("model", "distributed", "load"),
 }
 _HELPS = {
     "finetune": "fine-tune a causal LM on a text file or a data set and save it (the default command)",
-    "plan": "print the load plan for a checkpoint, reading no weights",
+    "plan": "print the load plan for a checkpoint, and with --memory each rank's predicted memory, reading no weights",
     "report": "load a checkpoint and print where every parameter's values came from",
 }
 _QLORA_RANK = 16
@@ -79,8 +88,23 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument(
                 "--qlora", action="store_true", help=f"--quantization nf4 and --lora-r {_QLORA_RANK} unless set"
             )
+        if name == "plan":
+            _add_memory_flags(sub)
         _add_recipe_flags(sub, _COMMAND_SECTIONS[name])
     return parser
+
+
+def _add_memory_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="predict each rank's tensor peak in one training step of this recipe (a dry run on fake "
+        "tensors, some seconds); counted: parameters, gradients, optimizer state, activations, the "
+        "loss, gathered and exchanged tensors; not counted: the allocator's caching and fragmentation, "
+        "the CUDA context and library workspaces, the communication libraries' own buffers",
+    )
+    parser.add_argument("--device-memory", default=None, metavar="SIZE", help="per device, e.g. 80GiB: fits or not")
+    parser.add_argument("--json", action="store_true", help='print {"plan": ..., "memory": ...} as JSON')
 
 
 def _add_recipe_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] | None) -> None:
@@ -207,12 +231,23 @@ def _tokenizer(path: Path):
         ) from error
 
 
-def _run_plan(recipe: Recipe) -> int:
+def _run_plan(recipe: Recipe, args: argparse.Namespace) -> int:
+    """The load plan; with ``--memory`` (implied by ``--device-memory``) the predicted memory of
+    one step of the recipe's job; with ``--json`` both as data."""
     from nemo_wrap.auto import NeMoAutoModelForCausalLM
+    from nemo_wrap.memory import parse_bytes, predict_memory
 
     world_size = recipe.distributed.nproc or _launched_world_size() or 1
-    setup = distributed_setup(recipe, world_size)
-    print(NeMoAutoModelForCausalLM.plan(model_path(recipe), distributed_setup=setup, options=load_options(recipe)))
+    setup, path, options = distributed_setup(recipe, world_size), model_path(recipe), load_options(recipe)
+    plan = NeMoAutoModelForCausalLM.plan(path, distributed_setup=setup, options=options)
+    device_memory = None if args.device_memory is None else parse_bytes(args.device_memory, "--device-memory")
+    memory = None
+    if args.memory or device_memory is not None:
+        memory = predict_memory(path, setup, training_shape(recipe), options, device_memory)
+    if args.json:
+        print(json.dumps({"plan": str(plan), "memory": None if memory is None else memory.as_data()}, indent=2))
+    else:
+        print(plan if memory is None else f"{plan}\n{memory}")
     return 0
 
 
@@ -256,7 +291,7 @@ def _run_finetune(recipe: Recipe) -> int:
     return 0
 
 
-_RUNNERS = {"finetune": _run_finetune, "plan": _run_plan, "report": _run_report}
+_RUNNERS = {"finetune": _run_finetune, "report": _run_report}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -279,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _relaunch(argv, recipe)
             if launched is not None and launched != nproc:
                 raise InvalidSetupError(f"nproc {nproc} differs from torchrun's world size {launched}")
+        if args.command == "plan":
+            return _run_plan(recipe, args)
         return _RUNNERS[args.command](recipe)
     except PreemptedError as stop:  # not a failure: the job can go on from its checkpoint
         parser.exit(PREEMPTED_EXIT_STATUS, f"nemo-wrap: {stop}\n")

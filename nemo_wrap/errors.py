@@ -248,3 +248,7 @@ class PreemptedError(NeMoWrapError, RuntimeError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class MemoryPredictionError(NeMoWrapError, NotImplementedError):
+    """The memory prediction cannot trace this layout (named) on fake tensors."""

@@ -161,6 +161,20 @@ class NeMoAutoModelForCausalLM:
         return LoadPipeline(request.plan, request.source, config, options).run()
 
 
+def dry_run_pipeline(
+    path_or_config: str | Path | PretrainedConfig, setup: DistributedSetup, options: LoadOptions
+) -> LoadPipeline:
+    """The pipeline ``from_pretrained`` (a path) or ``from_config`` (a config) would run, resolved
+    from the config and the checkpoint's headers only, for the memory prediction's dry run: it
+    performs the steps that allocate storage (:meth:`LoadPipeline.perform`), not the read."""
+    if isinstance(path_or_config, PretrainedConfig):
+        request = _resolve(path_or_config, setup, options, None)
+        return LoadPipeline(request.plan, request.source, path_or_config, options)
+    config, checkpoint = _open(path_or_config, options, RankGroup.local())
+    request = _resolve(config, setup, options, checkpoint)
+    return LoadPipeline(request.plan, request.source, config, options, checkpoint, _lora_request(options))
+
+
 def _options(options: LoadOptions | None, **keywords: Any) -> LoadOptions:
     """The one place a request's keywords become its :class:`LoadOptions`, each by its field's name:
     ``options`` when given (then the keywords must be left at their defaults), else the keywords'."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -125,9 +125,13 @@ class LoadPipeline:
 
     def run(self) -> PreTrainedModel:
         self.check_machine()
+        return self.perform(self.plan.steps)
+
+    def perform(self, steps: Sequence[Step]) -> PreTrainedModel:
+        """Build, then perform ``steps`` (the plan's, or the subset a dry run takes) in order."""
         actions = self._actions()
         state = LoadState(self.build_on_meta())
-        for step in self.plan.steps[1:]:  # the first is always the build
+        for step in steps[1:]:  # the first is always the build
             actions[step](state)
         return state.model
 

@@ -20,6 +20,7 @@ from nemo_wrap.recipes.config_file import recipe_as_dict, recipe_to_yaml
 
 if TYPE_CHECKING:
     from nemo_wrap.loading.options import LoadOptions
+    from nemo_wrap.memory import TrainingShape
     from nemo_wrap.recipes.sft import SFTConfig
 
 RECIPE_FILE = "config.yaml"  # the resolved recipe every fine-tuning run writes into its output directory
@@ -121,3 +122,14 @@ def distributed_setup(recipe: Recipe, world_size: int) -> DistributedSetup:
         pp_schedule=d.pp_schedule,
         **options,
     )
+
+
+def training_shape(recipe: Recipe) -> TrainingShape:
+    """The step the recipe's job runs, for the memory prediction: rows per rank per micro-batch,
+    tokens per row (a text's windows or a data set's rows) and micro-batches per step."""
+    from nemo_wrap.memory import TrainingShape
+    from nemo_wrap.recipes.sft import is_text_data
+
+    data, training = recipe.data, recipe.training
+    tokens = data.seq_len if is_text_data(data.train) else data.max_length
+    return TrainingShape(training.batch_size, tokens, training.accumulation)

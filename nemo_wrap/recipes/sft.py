@@ -121,7 +121,8 @@ def run_sft(
         f"batches: {training.batch_size} rows per rank x {training.accumulation} micro-batch(es) x "
         f"{setup.dp_size} data-parallel rank(s) per step"
     )
-    total = training.steps or (TEXT_STEPS if _is_text(data.train) else training.epochs * job.batches.steps_per_epoch)
+    per_epoch = job.batches.steps_per_epoch
+    total = training.steps or (TEXT_STEPS if is_text_data(data.train) else training.epochs * per_epoch)
     resume = resolve_resume(config.checkpoint.resume, config.output_dir)
     start = load_checkpoint(resume, model, job.optimizer, data=job.batches) if resume else 0
     if resume:
@@ -198,12 +199,14 @@ def _step_function(
     return step
 
 
-def _is_text(data: str | None) -> bool:
+def is_text_data(data: str | None) -> bool:
+    """Whether ``data.train`` names text cut into ``data.seq_len``-token windows (the bundled
+    corpus, or a ``.txt`` file) rather than a data set of ``data.max_length``-token rows."""
     return data is None or data.endswith(".txt")
 
 
 def _training_rows(data: DataSection, tokenizer: Any, say: Callable[[str], None]) -> list[Batch]:
-    if not _is_text(data.train):
+    if not is_text_data(data.train):
         return _data_set_rows(str(data.train), data, tokenizer, say)
     source = Path(data.train) if data.train else bundled_corpus()
     windows = read_token_windows(source, tokenizer, data.seq_len)

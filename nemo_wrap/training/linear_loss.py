@@ -26,6 +26,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -90,7 +91,8 @@ def saved_gradients_scaled(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Te
     """The backward of a loss whose forward computed and saved its gradients (hidden states,
     weight): them times the loss's incoming gradient, in place, the weight's in the weight's dtype
     (``ctx.weight_dtype``)."""
-    scale = float(grad_total)  # a plain scalar: it scales a vocabulary-sharded DTensor too
+    # a plain scalar: it scales a vocabulary-sharded DTensor too; a dry run's fake one has no value
+    scale = 1.0 if isinstance(grad_total, FakeTensor) else float(grad_total)
     grad_hidden, grad_weight = ctx.saved_tensors
     grad_hidden = None if grad_hidden is None else grad_hidden.mul_(scale)
     grad_weight = None if grad_weight is None else grad_weight.mul_(scale).to(ctx.weight_dtype)
@@ -117,9 +119,18 @@ def _chunked_sum(
         torch.zeros_like(weight, dtype=torch.float32) if wanted[1] else None,  # summed over chunks
     )
     add_chunk = _add_vocab_parallel_chunk if isinstance(weight, DTensor) else _add_chunk
-    for rows in (labels != IGNORE_INDEX).nonzero().squeeze(-1).split(chunk_tokens):
+    for rows in label_rows(labels).split(chunk_tokens):
         total += add_chunk(hidden[rows].detach(), weight.detach(), labels[rows], transform, (rows, gradients))
     return total, gradients[0], gradients[1]
+
+
+def label_rows(labels: torch.Tensor) -> torch.Tensor:
+    """The positions of ``labels`` (flat) that hold a label. A dry run on fake tensors (the memory
+    prediction's) has shapes and no values: there every position counts as labelled, the most
+    the chunked loss can hold at once, as a data set without prompts or padding has it."""
+    if isinstance(labels, FakeTensor):
+        return torch.arange(labels.numel(), device=labels.device)
+    return (labels != IGNORE_INDEX).nonzero().squeeze(-1)
 
 
 def _add_chunk(

@@ -103,21 +103,35 @@ def train_step(
         check_micro_batch_count(pipeline, len(micro_batches))  # before any collective
     setup = setup_of(model)
     _check_router_loss_supported(model, setup)
-    group = setup.dp_group()  # the label tokens are counted over dp
-    dp_size = 1 if group is None else dist.get_world_size(group)
-    label_tokens = global_label_tokens(micro_batches, group, "train_step")
-    cp_group, loss_group = setup.cp_group(), setup.loss_group()
-    if pipeline is not None:
-        loss_sum = pipeline_forward_backward(model, pipeline, micro_batches, label_tokens, dp_size)
-    else:  # the managers average gradients over dp (× cp): scaled back, the step's sum over all tokens
-        scale = dp_size * (1 if cp_group is None else dist.get_world_size(cp_group))
-        loss_sum = _forward_backward(model, micro_batches, label_tokens, scale, cp_group, loss_group)
-    grad_norm = optimizer_update(model, optimizer, max_grad_norm)
+    label_tokens = global_label_tokens(micro_batches, setup.dp_group(), "train_step")  # counted over dp
+    loss_sum, grad_norm = step_with_label_count(model, optimizer, micro_batches, label_tokens, max_grad_norm)
+    loss_group = setup.loss_group()
     with record_function("nemo_wrap::reduce_loss"):
         if loss_group is not None:  # every data-parallel rank's tokens (and every cp rank's part of them)
             dist.all_reduce(loss_sum, group=loss_group)
         loss = float(loss_sum)
     return StepResult(loss=loss, grad_norm=grad_norm, label_tokens=label_tokens)
+
+
+def step_with_label_count(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[Mapping[str, torch.Tensor]],
+    label_tokens: int,
+    max_grad_norm: float | None,
+) -> tuple[torch.Tensor, float | None]:
+    """:func:`train_step` once the step's global label count is known: forward/backward every
+    micro-batch and update; this rank's loss sum (not yet reduced) and the gradient norm. It reads
+    no value back from a tensor unless clipping, so the memory prediction runs it on fake tensors."""
+    pipeline, setup = pipeline_of(model), setup_of(model)
+    group, cp_group = setup.dp_group(), setup.cp_group()
+    dp_size = 1 if group is None else dist.get_world_size(group)
+    if pipeline is not None:
+        loss_sum = pipeline_forward_backward(model, pipeline, micro_batches, label_tokens, dp_size)
+    else:  # the managers average gradients over dp (× cp): scaled back, the step's sum over all tokens
+        scale = dp_size * (1 if cp_group is None else dist.get_world_size(cp_group))
+        loss_sum = _forward_backward(model, micro_batches, label_tokens, scale, cp_group, setup.loss_group())
+    return loss_sum, optimizer_update(model, optimizer, max_grad_norm)
 
 
 def optimizer_update(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> float | None:

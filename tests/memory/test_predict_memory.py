@@ -1,0 +1,112 @@
+"""The memory prediction against the real step: each rank's predicted tensor peak within ±10% of
+what torch's ``MemTracker`` measures in a real training step on real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from nemo_wrap import DistributedSetup, MemoryPredictionError, TrainingShape, predict_memory
+from nemo_wrap.auto import NeMoAutoModelForCausalLM
+from nemo_wrap.cli import main
+from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.memory import MemoryCategory, parse_bytes
+from nemo_wrap.training import train_step
+
+SHAPE = TrainingShape(batch_size=4, seq_len=128)
+TOLERANCE = 0.10
+
+
+def _config(tied: bool) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=tied,
+    )
+
+
+def _setup(layout: str, world_size: int) -> DistributedSetup:
+    if layout == "one":
+        return DistributedSetup.single_process()
+    return DistributedSetup.build("fsdp2", world_size, tp_size=2 if layout == "tp" else 1)
+
+
+def case_measured_peak(tied: bool, layout: str, world_size: int, shape: TrainingShape) -> int:
+    """This rank's tensor peak in the second of two real training steps of ``shape``."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.set_num_threads(1)
+    setup = _setup(layout, world_size)
+    model = NeMoAutoModelForCausalLM.from_config(_config(tied), setup, seed=0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    rows = torch.randint(0, 4096, (shape.batch_size, shape.seq_len), generator=torch.Generator().manual_seed(0))
+    train_step(model, optimizer, [{"input_ids": rows}])
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        train_step(model, optimizer, [{"input_ids": rows}])
+    return int(max(device["Total"] for device in tracker.get_tracker_snapshot("peak").values()))
+
+
+def _assert_close(predicted: list[int], measured: list[int]) -> None:
+    ratios = [p / m for p, m in zip(predicted, measured, strict=True)]
+    assert all(abs(ratio - 1) <= TOLERANCE for ratio in ratios), (predicted, measured, ratios)
+
+
+def test_one_process_prediction_matches_the_measured_peak():
+    predicted = predict_memory(_config(tied=False), None, SHAPE)
+    assert [rank.rank for rank in predicted.per_rank] == [0]
+    _assert_close([predicted.peak_bytes], [case_measured_peak(False, "one", 1, SHAPE)])
+
+
+@pytest.mark.parametrize(("tied", "layout"), [(False, "fsdp2"), (True, "fsdp2"), (False, "tp")])
+def test_two_rank_predictions_match_each_rank_s_measured_peak(ranks2, tied, layout):
+    predicted = predict_memory(_config(tied), _setup(layout, 2), SHAPE)
+    measured = ranks2.run(case_measured_peak, tied, layout, 2, SHAPE)
+    assert [rank.rank for rank in predicted.per_rank] == [0, 1]
+    _assert_close([rank.peak_bytes for rank in predicted.per_rank], measured)
+
+
+def test_the_breakdown_adds_up_and_sharding_shrinks_the_persistent_state():
+    one = predict_memory(_config(tied=False), None, SHAPE).per_rank[0]
+    sharded = predict_memory(_config(tied=False), _setup("fsdp2", 2), SHAPE).per_rank[0]
+    assert sum(size for _, size in one.breakdown) == one.peak_bytes
+    state = {MemoryCategory.PARAMETERS, MemoryCategory.OPTIMIZER_STATE}
+    held = [sum(size for category, size in rank.breakdown if category in state) for rank in (one, sharded)]
+    assert held[1] < 0.75 * held[0]
+
+
+def test_layouts_the_dry_run_cannot_trace_are_refused_by_name():
+    with pytest.raises(MemoryPredictionError, match="strategy 'ddp'"):
+        predict_memory(_config(tied=False), DistributedSetup.build("ddp", 2), SHAPE)
+    with pytest.raises(MemoryPredictionError, match=r"pipeline parallel \(pp=2\)"):
+        predict_memory(_config(tied=False), DistributedSetup.build("fsdp2", 2, pp_size=2), SHAPE)
+
+
+@pytest.mark.parametrize(("text", "size"), [("80GiB", 80 * 2**30), ("512 MiB", 512 * 2**20), ("2e9", 2 * 10**9)])
+def test_device_memory_sizes_are_read_in_binary_and_decimal_units(text, size):
+    assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("text", ["lots", "-1GiB", "0"])
+def test_an_unreadable_device_memory_names_the_argument(text):
+    with pytest.raises(InvalidSetupError, match="--device-memory"):
+        parse_bytes(text, "--device-memory")
+
+
+def test_the_plan_command_prints_the_prediction_as_json_and_whether_it_fits(capsys):
+    assert main(["plan", "--batch-size", "2", "--seq-len", "32", "--device-memory", "1MiB", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    memory = printed["memory"]
+    assert printed["plan"].startswith("load plan:")
+    assert memory["shape"] == {"batch_size": 2, "seq_len": 32, "accumulation": 1}
+    assert memory["device_memory"] == 2**20 and memory["fits"] is False
+    (rank,) = memory["per_rank"]
+    assert rank["rank"] == 0 and rank["peak_bytes"] == sum(rank["breakdown"].values()) > 2**20
