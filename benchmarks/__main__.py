@@ -33,6 +33,7 @@ from benchmarks import (
     bench_from_pretrained,
     bench_lora_step,
     bench_loss,
+    bench_memory,
     bench_model_throughput,
     bench_peer,
     bench_pipeline,
@@ -65,6 +66,7 @@ SUITE: dict[str, Callable[[], Table]] = {
     "qlora_step": bench_qlora.step_table,
     "qlora_sft": bench_qlora.sft_table,
     "async_save": bench_async_save.table,
+    "memory": bench_memory.table,
 }
 
 

@@ -169,7 +169,7 @@ def dry_run_pipeline(
     performs the steps that allocate storage (:meth:`LoadPipeline.perform`), not the read."""
     if isinstance(path_or_config, PretrainedConfig):
         request = _resolve(path_or_config, setup, options, None)
-        return LoadPipeline(request.plan, request.source, path_or_config, options)
+        return LoadPipeline(request.plan, request.source, path_or_config, options, lora=_lora_request(options))
     config, checkpoint = _open(path_or_config, options, RankGroup.local())
     request = _resolve(config, setup, options, checkpoint)
     return LoadPipeline(request.plan, request.source, config, options, checkpoint, _lora_request(options))

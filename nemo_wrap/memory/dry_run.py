@@ -3,13 +3,16 @@
 Why traced and not a formula: a rank's peak is set by what the code allocates — FSDP's gathered
 layers and what each reshard policy keeps, the tensor-parallel plan's split of every weight,
 uneven shards, the chunked loss's gradients taken in the forward, which tensors each op saves for
-its backward. A formula restates all of that and drifts from it; the dry run runs it. The model is
-built and sharded by the load plan's own steps (:meth:`LoadPipeline.perform`, less the steps that
-only fill values: the read, the init, the audit, compilation), inside torch's ``FakeTensorMode`` —
-every tensor has its shape, dtype and device and no storage — on a ``fake`` process group of the
-job's size in which this process plays ``rank`` (collectives return at once; torchtitan dry-runs its
-jobs the same way). Then the recipes' step runs twice (the first makes AdamW's state) and torch's
-``MemTracker`` records the second's peak.
+its backward, which attention kernel runs. A formula restates all of that and drifts from it; the
+dry run runs it. On a ``fake`` process group of the job's size in which this process plays
+``rank`` (collectives return at once; torchtitan dry-runs its jobs the same way), the load plan's
+own steps build and shard the model on the meta device (:meth:`LoadPipeline.perform`, up to
+materializing: the steps after it only write values). Its storage is then made of torch's fake
+tensors — shape, dtype and device, no bytes — and the recipes' step runs twice on it (the first
+makes AdamW's state) while torch's ``MemTracker`` records the second's peak. The step's inputs are
+real (a few bytes): positions and labels made from them stay real, so the step takes the paths a
+real one takes (transformers builds a full attention mask for fake positions, taking them for a
+trace). On the benchmark's 26 configurations the prediction equals the measured peak within 1.1%.
 
 What this cannot see: the allocator (fragmentation, caching, CUDA's context and workspaces) and
 the memory of the communication libraries themselves; the caller states them as not counted.
@@ -29,6 +32,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from nemo_wrap.auto.auto_model import dry_run_pipeline
 from nemo_wrap.distributed.collectives import collective_device
+from nemo_wrap.distributed.combinations import Feature
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import MemoryPredictionError
 from nemo_wrap.loading.model_state import HasModelState
@@ -52,47 +56,47 @@ _CATEGORIES = {
 }
 
 
-def simulate_ranks(
-    path_or_config: str | Path | PretrainedConfig,
-    setup: DistributedSetup,
-    options: LoadOptions,
-    shape: TrainingShape,
-    ranks: tuple[int, ...],
-) -> tuple[RankMemory, ...]:
-    """Each of ``ranks``' predicted peak, one dry run after another in this process (which must
-    hold no process group: it creates and destroys a fake one per rank)."""
-    return tuple(_simulate_rank(path_or_config, setup, options, shape, rank) for rank in ranks)
-
-
-def _simulate_rank(
+def simulate_rank(
     path_or_config: str | Path | PretrainedConfig,
     setup: DistributedSetup,
     options: LoadOptions,
     shape: TrainingShape,
     rank: int,
 ) -> RankMemory:
-    if setup.is_collective:
-        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=setup.world_size)
+    """The predicted peak of ``rank``, by a dry run in this process, which must hold no process
+    group (it creates a fake one, and destroys it). DDP's replica is traced as one process
+    (torch's ``replicate`` reads storage as it wraps, and fake tensors have none), plus the
+    gradient buckets its reducer allocates once and keeps: as large as the trainable parameters
+    (measured: the whole difference between a DDP rank's peak and one process's)."""
+    replicated = Feature.REPLICATED in setup.entry.traits
+    traced = DistributedSetup.single_process() if replicated else setup
+    if traced.is_collective:
+        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=traced.world_size)
     try:
-        pipeline = dry_run_pipeline(path_or_config, setup, options)  # config and headers: real reads
-        if setup.is_collective:
-            setup.device_mesh()  # built from real rank tensors, before any tensor is fake
+        pipeline = dry_run_pipeline(path_or_config, traced, options)  # config and headers: real reads
+        # on the meta device, as in a real load; meshes and groups are made of real rank tensors
+        model = pipeline.perform(_steps_before_materializing(pipeline.plan.steps))
         with FakeTensorMode(allow_non_fake_inputs=True):
-            model = pipeline.perform(_steps_before_materializing(pipeline.plan.steps))
             _materialize_fake(model)
-            # the steps take the loss path from the load's report: this one says nothing was read
-            cast(HasModelState, model).nemo_state.load_report = LoadReport(pipeline.plan, provenance={})
-            return RankMemory(rank, *_step_peak(model, shape, setup.dp_size))
+        # the steps take the loss path from the load's report: this one says nothing was read
+        cast(HasModelState, model).nemo_state.load_report = LoadReport(pipeline.plan, provenance={})
+        # outside the mode, what the step creates from real inputs stays real (positions, labels):
+        # transformers takes a fake position for tracing and would build masks the real step skips
+        peak, breakdown = _step_peak(model, shape, setup.dp_size)
     finally:
-        if setup.is_collective:
+        if traced.is_collective:
             dist.destroy_process_group()
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if replicated else 0
+    return RankMemory(rank, peak + buckets, (*breakdown, (MemoryCategory.GRADIENT_BUCKETS, buckets)))
 
 
 def _step_peak(
-    model: torch.nn.Module, shape: TrainingShape, dp_size: int
+    model: PreTrainedModel, shape: TrainingShape, dp_size: int
 ) -> tuple[int, tuple[tuple[MemoryCategory, int], ...]]:
     """The tensor peak of the second of two training steps, and its split by category."""
     model.train()
+    if shape.activation_checkpointing:
+        model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = torch.zeros(shape.batch_size, shape.seq_len, dtype=torch.long)
     micro_batches = [{"input_ids": rows} for _ in range(shape.accumulation)]
@@ -110,7 +114,7 @@ def _step_peak(
 
 def _steps_before_materializing(steps: tuple[Step, ...]) -> tuple[Step, ...]:
     """The plan's steps up to materializing, after checking that every later one only writes values
-    (a plan that shards after materializing — DDP's — is refused before the dry run)."""
+    (DDP's plan shards after materializing: :func:`simulate_rank` traces its replica instead)."""
     position = steps.index(Step.MATERIALIZE)
     if not VALUE_ONLY_STEPS.issuperset(steps[position + 1 :]):
         raise MemoryPredictionError(f"predict_memory: no dry run for a plan that goes on after materializing: {steps}")

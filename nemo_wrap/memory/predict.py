@@ -1,8 +1,9 @@
 """``predict_memory``: each rank's tensor peak in one training step, known before launch.
 
-The prediction is a dry run (:mod:`.dry_run`) in a fresh process — spawned, so it works from a
-notebook or a ``torchrun`` script that already holds a process group, and leaves no fake process
-group or fake tensor behind in the caller. Ranks differ (the last one's shards are the smallest
+The prediction is a dry run (:mod:`.dry_run`) per rank, each in a fresh spawned process: so it
+works from a notebook or a ``torchrun`` script that already holds a process group, leaves no fake
+process group or fake tensor behind in the caller, and no rank's groups and meshes (which torch
+caches by name) meet another's. Ranks differ (the last one's shards are the smallest
 when a dimension does not divide; pipeline stages hold different layers): jobs of up to
 ``SIMULATED_RANKS_LIMIT`` ranks simulate every rank, larger ones the first and the last.
 """
@@ -11,15 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+import os
 from pathlib import Path
 
 from transformers import PretrainedConfig
 
+from nemo_wrap.distributed.combinations import Feature
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import MemoryPredictionError
 from nemo_wrap.loading.options import LoadOptions
-from nemo_wrap.memory.dry_run import simulate_ranks
+from nemo_wrap.memory.dry_run import simulate_rank
 from nemo_wrap.memory.prediction import MemoryPrediction, TrainingShape
 
 SIMULATED_RANKS_LIMIT = 8
@@ -45,29 +47,34 @@ def predict_memory(
     Raises :class:`MemoryPredictionError` for a layout the dry run cannot trace yet, naming it."""
     setup = DistributedSetup.given(distributed_setup)
     options = options or LoadOptions()
-    _refuse_untraced(setup, options)
+    shape = shape or TrainingShape()
+    _refuse_untraced(setup, options, shape)
     last = setup.world_size - 1
     ranks = tuple(range(setup.world_size)) if setup.world_size <= SIMULATED_RANKS_LIMIT else (0, last)
     fresh_setup = dataclasses.replace(setup)  # without this process's mesh: it pickles
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        job = pool.submit(simulate_ranks, path_or_config, fresh_setup, options, shape or TrainingShape(), ranks)
-        per_rank = job.result()
-    return MemoryPrediction(shape or TrainingShape(), per_rank, device_memory, NOT_COUNTED)
+    # a fresh process per rank: torch caches process groups and meshes by name, per process
+    workers = min(len(ranks), os.cpu_count() or 1)
+    with multiprocessing.get_context("spawn").Pool(workers, maxtasksperchild=1) as pool:
+        per_rank = pool.starmap(simulate_rank, [(path_or_config, fresh_setup, options, shape, r) for r in ranks])
+    return MemoryPrediction(shape, tuple(per_rank), device_memory, NOT_COUNTED)
 
 
-def _refuse_untraced(setup: DistributedSetup, options: LoadOptions) -> None:
+def _refuse_untraced(setup: DistributedSetup, options: LoadOptions, shape: TrainingShape) -> None:
     """Layouts whose step cannot run on fake tensors yet, refused by name before any work."""
-    degrees = setup.degrees
+    degrees, traits = setup.degrees, setup.entry.traits
     untraced = {
-        f"strategy {setup.strategy!r}": setup.strategy == "ddp",
+        "DDP with tensor parallel": Feature.REPLICATED in traits and degrees.tp > 1,
+        f"strategy {setup.strategy!r} (flat parameter buffers)": Feature.FLAT_BUFFERS in traits,
         f"pipeline parallel (pp={degrees.pp})": degrees.pp > 1,
-        f"context parallel (cp={degrees.cp})": degrees.cp > 1,
         f"expert parallel (ep={degrees.ep})": degrees.ep > 1,
         "4-bit quantization": options.quantization_config is not None,
+        "gradient accumulation (torch's MemTracker takes one forward of the model per step)": shape.accumulation > 1,
+        "LoRA adapters (torch's MemTracker hooks every parameter's gradient; frozen ones have none)": (
+            options.peft_config is not None or options.adapter is not None
+        ),
     }
     refused = [name for name, applies in untraced.items() if applies]
     if refused:
         raise MemoryPredictionError(
-            f"predict_memory: {', '.join(refused)} cannot be predicted yet (its step does not run on fake tensors)"
+            f"predict_memory: {', '.join(refused)} cannot be predicted yet (the dry run cannot trace its step)"
         )

@@ -6,6 +6,7 @@ run (:mod:`.dry_run`); ``nemo-wrap plan`` prints it after the load plan, or as J
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ class MemoryCategory(Vocabulary):
     OPTIMIZER_STATE = "optimizer_state"
     ACTIVATIONS = "activations"  # saved for the backward, and the forward's outputs
     TEMPORARIES = "temporaries"  # the backward's working tensors: activation gradients, gathered weights
+    GRADIENT_BUCKETS = "gradient_buckets"  # DDP's reducer: kept from the first step on
     OTHER = "other"
 
 
@@ -32,11 +34,14 @@ class MemoryCategory(Vocabulary):
 class TrainingShape:
     """The step a prediction is for: rows per rank per micro-batch, tokens per row, micro-batches
     per optimizer step (the recipe's ``training.batch_size``, its sequence length and
-    ``training.accumulation``). The optimizer is the recipes' AdamW over the trainable parameters."""
+    ``training.accumulation``), and whether each decoder layer recomputes its activations in the
+    backward (``model.gradient_checkpointing_enable()``). The optimizer is the recipes' AdamW over
+    the trainable parameters."""
 
     batch_size: int = 8
     seq_len: int = 512
     accumulation: int = 1
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "accumulation"):
@@ -45,7 +50,9 @@ class TrainingShape:
                 raise InvalidSetupError(f"TrainingShape: {name} must be a positive integer, got {value!r}")
 
     def describe(self) -> str:
-        return f"{self.batch_size} row(s) × {self.seq_len} tokens a micro-batch, {self.accumulation} a step, AdamW"
+        recomputed = ", activations recomputed per layer" if self.activation_checkpointing else ""
+        rows = f"{self.batch_size} row(s) × {self.seq_len} tokens a micro-batch"
+        return f"{rows}, {self.accumulation} a step{recomputed}, AdamW"
 
 
 @dataclass(frozen=True)
@@ -95,8 +102,7 @@ class MemoryPrediction:
             {"rank": r.rank, "peak_bytes": r.peak_bytes, "breakdown": {c.value: n for c, n in r.breakdown}}
             for r in self.per_rank
         ]
-        shape = {"batch_size": self.shape.batch_size, "seq_len": self.shape.seq_len}
-        shape["accumulation"] = self.shape.accumulation
+        shape = dataclasses.asdict(self.shape)
         return {"per_rank": per_rank, "shape": shape, "device_memory": self.device_memory, "fits": self.fits}
 
 

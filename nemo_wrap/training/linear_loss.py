@@ -119,18 +119,9 @@ def _chunked_sum(
         torch.zeros_like(weight, dtype=torch.float32) if wanted[1] else None,  # summed over chunks
     )
     add_chunk = _add_vocab_parallel_chunk if isinstance(weight, DTensor) else _add_chunk
-    for rows in label_rows(labels).split(chunk_tokens):
+    for rows in (labels != IGNORE_INDEX).nonzero().squeeze(-1).split(chunk_tokens):
         total += add_chunk(hidden[rows].detach(), weight.detach(), labels[rows], transform, (rows, gradients))
     return total, gradients[0], gradients[1]
-
-
-def label_rows(labels: torch.Tensor) -> torch.Tensor:
-    """The positions of ``labels`` (flat) that hold a label. A dry run on fake tensors (the memory
-    prediction's) has shapes and no values: there every position counts as labelled, the most
-    the chunked loss can hold at once, as a data set without prompts or padding has it."""
-    if isinstance(labels, FakeTensor):
-        return torch.arange(labels.numel(), device=labels.device)
-    return (labels != IGNORE_INDEX).nonzero().squeeze(-1)
 
 
 def _add_chunk(
