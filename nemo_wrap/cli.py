@@ -242,8 +242,8 @@ def _run_plan(recipe: Recipe, args: argparse.Namespace) -> int:
     plan = NeMoAutoModelForCausalLM.plan(path, distributed_setup=setup, options=options)
     device_memory = None if args.device_memory is None else parse_bytes(args.device_memory, "--device-memory")
     memory = None
-    if args.memory or device_memory is not None:
-        memory = predict_memory(path, setup, training_shape(recipe), options, device_memory)
+    if args.memory or device_memory is not None:  # the job finetune runs: its LoRA too
+        memory = predict_memory(path, setup, training_shape(recipe), sft_config(recipe).load, device_memory)
     if args.json:
         print(json.dumps({"plan": str(plan), "memory": None if memory is None else memory.as_data()}, indent=2))
     else:

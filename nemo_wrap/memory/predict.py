@@ -44,7 +44,9 @@ def predict_memory(
     :class:`TrainingShape`) of the model ``from_pretrained(path_or_config, distributed_setup,
     options=options)`` (or ``from_config``, given a config) would load. Reads the config and the
     checkpoint's headers, never a weight. ``device_memory`` (bytes per device) adds whether it fits.
-    Raises :class:`MemoryPredictionError` for a layout the dry run cannot trace yet, naming it."""
+    Raises :class:`MemoryPredictionError` for a layout the dry run cannot trace yet, naming it.
+    The ranks run in spawned processes, which import the caller's main module: a script calling
+    this needs the usual ``if __name__ == "__main__":`` guard."""
     setup = DistributedSetup.given(distributed_setup)
     options = options or LoadOptions()
     shape = shape or TrainingShape()

@@ -138,3 +138,10 @@ def test_the_plan_command_prints_the_prediction_as_json_and_whether_it_fits(caps
     assert [rank["rank"] for rank in memory["per_rank"]] == [0, 1]
     for rank in memory["per_rank"]:
         assert rank["peak_bytes"] == sum(rank["breakdown"].values()) > 2**20
+
+
+def test_the_plan_command_predicts_the_job_finetune_runs_and_refuses_its_lora_by_name(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", "--memory", "--lora-r", "8"])
+    assert stopped.value.code == 2
+    assert "LoRA adapters" in capsys.readouterr().err
