@@ -113,10 +113,10 @@ def _shape(case: Case) -> Any:
 def measure(kind: str) -> dict[str, Any]:
     """This rank's tensor peak (MemTracker) in the second of two real steps of case ``kind``."""
     import torch
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     from nemo_wrap import initialize_distributed
     from nemo_wrap.auto import NeMoAutoModelForCausalLM
+    from nemo_wrap.memory.tracking import second_step_peak
     from nemo_wrap.training import train_step
 
     case = CASES[kind]
@@ -127,13 +127,8 @@ def measure(kind: str) -> dict[str, Any]:
         model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = torch.randint(0, 8192, (case.rows, case.tokens), generator=torch.Generator().manual_seed(0))
-    batches = [{"input_ids": rows}]
-    train_step(model, optimizer, batches)
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    with tracker:
-        train_step(model, optimizer, batches)
-    return {"peak": max(device["Total"] for device in tracker.get_tracker_snapshot("peak").values())}
+    peak = second_step_peak(model, optimizer, lambda: train_step(model, optimizer, [{"input_ids": rows}]))
+    return {"peak": peak["Total"]}
 
 
 def table() -> Table:

@@ -30,7 +30,6 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -44,6 +43,7 @@ from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import Step
 from nemo_wrap.loading.provenance import LoadReport
 from nemo_wrap.memory.prediction import MemoryCategory, RankMemory, TrainingShape
+from nemo_wrap.memory.tracking import second_step_peak
 from nemo_wrap.training.step import step_with_label_count
 
 # What follows materializing in a plan that shards first: values written into storage that exists.
@@ -105,15 +105,11 @@ def _step_peak(
     rows = torch.zeros(shape.batch_size, shape.seq_len, dtype=torch.long)
     micro_batches = [{"input_ids": rows} for _ in range(shape.accumulation)]
     label_tokens = shape.batch_size * (shape.seq_len - 1) * shape.accumulation * dp_size
-    step_with_label_count(model, optimizer, micro_batches, label_tokens, None)
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    with tracker:
-        step_with_label_count(model, optimizer, micro_batches, label_tokens, None)
-    snapshot = max(tracker.get_tracker_snapshot("peak").values(), key=lambda device: device["Total"])
-    by_kind = {getattr(key, "value", key): int(value) for key, value in snapshot.items()}
+    by_kind = second_step_peak(
+        model, optimizer, lambda: step_with_label_count(model, optimizer, micro_batches, label_tokens, None)
+    )
     breakdown = tuple((category, by_kind.get(kind, 0)) for kind, category in _CATEGORIES.items())
-    return int(snapshot["Total"]), breakdown
+    return by_kind["Total"], breakdown
 
 
 def _steps_before_materializing(steps: tuple[Step, ...]) -> tuple[Step, ...]:

@@ -7,7 +7,7 @@ run (:mod:`.dry_run`); ``nemo-wrap plan`` prints it after the load plan, or as J
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from nemo_wrap.errors import InvalidSetupError
@@ -76,7 +76,7 @@ class MemoryPrediction:
     shape: TrainingShape
     per_rank: tuple[RankMemory, ...]
     device_memory: int | None = None  # bytes per device, when asked whether it fits
-    not_counted: tuple[str, ...] = field(default=())
+    not_counted: tuple[str, ...] = ()
 
     @property
     def peak_bytes(self) -> int:

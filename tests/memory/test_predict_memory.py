@@ -17,6 +17,7 @@ from nemo_wrap.cli import main
 from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.memory import MemoryCategory, parse_bytes
+from nemo_wrap.memory.tracking import second_step_peak
 from nemo_wrap.training import train_step
 
 SHAPE = TrainingShape(batch_size=4, seq_len=128)
@@ -50,8 +51,6 @@ def _setup(layout: str, world_size: int) -> DistributedSetup:
 
 def case_measured_peak(tied: bool, layout: str, world_size: int, shape: TrainingShape) -> int:
     """This rank's tensor peak in the second of two real training steps of ``shape``."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     torch.set_num_threads(1)
     setup = _setup(layout, world_size)
     model = NeMoAutoModelForCausalLM.from_config(_config(tied), setup, seed=0)
@@ -59,12 +58,7 @@ def case_measured_peak(tied: bool, layout: str, world_size: int, shape: Training
         model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = torch.randint(0, 4096, (shape.batch_size, shape.seq_len), generator=torch.Generator().manual_seed(0))
-    train_step(model, optimizer, [{"input_ids": rows}])
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    with tracker:
-        train_step(model, optimizer, [{"input_ids": rows}])
-    return int(max(device["Total"] for device in tracker.get_tracker_snapshot("peak").values()))
+    return second_step_peak(model, optimizer, lambda: train_step(model, optimizer, [{"input_ids": rows}]))["Total"]
 
 
 def _assert_close(predicted: list[int], measured: list[int]) -> None:
