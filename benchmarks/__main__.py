@@ -24,6 +24,7 @@ import torch
 
 from benchmarks import (
     bench_activation_checkpointing,
+    bench_auto_layout,
     bench_async_save,
     bench_compile,
     bench_context_parallel,
@@ -67,6 +68,7 @@ SUITE: dict[str, Callable[[], Table]] = {
     "qlora_sft": bench_qlora.sft_table,
     "async_save": bench_async_save.table,
     "memory": bench_memory.table,
+    "auto_layout": bench_auto_layout.table,
 }
 
 

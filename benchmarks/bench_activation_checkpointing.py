@@ -1,7 +1,7 @@
 """Activation checkpointing: a training step's peak memory and time with and without it.
 
 One process, the 12-layer ~100M Llama of :mod:`benchmarks.bench_training_step`, fp32, one row of
-1,024 tokens, AdamW, ``model.gradient_checkpointing_enable()`` (transformers' switch, per decoder
+1,024 tokens, AdamW, ``model.activation_checkpointing_enable()`` (transformers' switch, per decoder
 layer). After a warm-up step (so the optimizer state exists), the step's peak is the peak RSS
 above the RSS just before it: activations, gradients and the logits. Target: ≥ 40% lower with
 checkpointing. Run: ``python -m benchmarks.bench_activation_checkpointing``.
@@ -27,7 +27,7 @@ def measure(kind: str) -> dict[str, Any]:
 
     model = NeMoAutoModelForCausalLM.from_config(llama_100m_config(), seed=0).train()
     if kind == "checkpointed":
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, 32000, (1, TOKENS), generator=torch.Generator().manual_seed(0))
     times, peaks = [], []
@@ -52,7 +52,7 @@ def table() -> Table:
         [
             ["without checkpointing", f"{plain['seconds']:.2f} s", f"{plain['peak_mib']:.0f} MiB"],
             [
-                "`gradient_checkpointing_enable()`",
+                "`activation_checkpointing_enable()`",
                 f"{checkpointed['seconds']:.2f} s",
                 f"{checkpointed['peak_mib']:.0f} MiB",
             ],

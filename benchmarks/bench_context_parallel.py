@@ -43,7 +43,7 @@ def measure(kind: str) -> dict[str, Any]:
         env = initialize_distributed()
         setup = DistributedSetup.build("fsdp2", env.world_size, cp_size=size)
     model = NeMoAutoModelForCausalLM.from_config(small_llama_config(), distributed_setup=setup, seed=0)
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, 8192, (1, SEQUENCE), generator=torch.Generator().manual_seed(0))
     train_step(model, optimizer, [{"input_ids": tokens}])  # optimizer state exists from here on

@@ -124,10 +124,12 @@ def measure(kind: str) -> dict[str, Any]:
         initialize_distributed()
     model = NeMoAutoModelForCausalLM.from_config(_config(case.tied), _setup(case), seed=0)
     if case.recompute:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = torch.randint(0, 8192, (case.rows, case.tokens), generator=torch.Generator().manual_seed(0))
-    peak = second_step_peak(model, optimizer, lambda: train_step(model, optimizer, [{"input_ids": rows}]))
+    peak = second_step_peak(
+        model, optimizer, [{"input_ids": rows}], lambda batches: train_step(model, optimizer, batches)
+    )
     return {"peak": peak["Total"]}
 
 

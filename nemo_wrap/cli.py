@@ -35,6 +35,7 @@ from typing import Any
 
 from nemo_wrap.distributed import destroy_distributed, initialize_distributed
 from nemo_wrap.errors import InvalidSetupError, NeMoWrapError, PreemptedError, TokenizerNotFoundError
+from nemo_wrap.memory.prediction import DEFAULT_MARGIN
 from nemo_wrap.recipes.config import Recipe
 from nemo_wrap.recipes.config_file import (
     Setting,
@@ -104,6 +105,21 @@ def _add_memory_flags(parser: argparse.ArgumentParser) -> None:
         "the CUDA context and library workspaces, the communication libraries' own buffers",
     )
     parser.add_argument("--device-memory", default=None, metavar="SIZE", help="per device, e.g. 80GiB: fits or not")
+    parser.add_argument(
+        "--auto",
+        action="store_true",
+        help="choose the layout (degrees, micro-batch, activation checkpointing) of --nproc ranks per node on "
+        "--nnodes nodes that is predicted to fit --device-memory less --margin and costs least, for the "
+        "recipe's rows per step; print the best five, why the others were dropped, and the chosen one "
+        "as a recipe fragment",
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes, for --auto (default 1)")
+    parser.add_argument(
+        "--margin",
+        type=float,
+        default=DEFAULT_MARGIN,
+        help=f"share of --device-memory --auto keeps free for what is not counted (default {DEFAULT_MARGIN})",
+    )
     parser.add_argument("--json", action="store_true", help='print {"plan": ..., "memory": ...} as JSON')
 
 
@@ -237,10 +253,12 @@ def _run_plan(recipe: Recipe, args: argparse.Namespace) -> int:
     from nemo_wrap.auto import NeMoAutoModelForCausalLM
     from nemo_wrap.memory import parse_bytes, predict_memory
 
-    world_size = recipe.distributed.nproc or _launched_world_size() or 1
+    world_size = (recipe.distributed.nproc or _launched_world_size() or 1) * args.nnodes
     setup, path, options = distributed_setup(recipe, world_size), model_path(recipe), load_options(recipe)
     plan = NeMoAutoModelForCausalLM.plan(path, distributed_setup=setup, options=options)
     device_memory = None if args.device_memory is None else parse_bytes(args.device_memory, "--device-memory")
+    if args.auto:
+        return _run_auto(recipe, args, setup, str(plan), device_memory)
     memory = None
     if args.memory or device_memory is not None:  # the job finetune runs: its LoRA too
         memory = predict_memory(path, setup, training_shape(recipe), sft_config(recipe).load, device_memory)
@@ -248,6 +266,24 @@ def _run_plan(recipe: Recipe, args: argparse.Namespace) -> int:
         print(json.dumps({"plan": str(plan), "memory": None if memory is None else memory.as_data()}, indent=2))
     else:
         print(plan if memory is None else f"{plan}\n{memory}")
+    return 0
+
+
+def _run_auto(recipe: Recipe, args: argparse.Namespace, setup: Any, plan: str, device_memory: int | None) -> int:
+    """``plan --auto``: the layout for the recipe's job (its rows per step, tokens per row and load
+    options, LoRA included) on ``--nnodes`` nodes of ``--nproc`` ranks."""
+    from nemo_wrap.memory import Machine, choose_layout
+
+    if device_memory is None:
+        raise InvalidSetupError("plan --auto needs --device-memory: the memory each device has")
+    per_node = setup.world_size // args.nnodes
+    machine = Machine(nproc_per_node=per_node, device_memory=device_memory, nnodes=args.nnodes)
+    shape = training_shape(recipe)
+    global_batch = shape.batch_size * shape.accumulation * setup.dp_size
+    choice = choose_layout(
+        model_path(recipe), machine, global_batch, shape.seq_len, sft_config(recipe).load, args.margin
+    )
+    print(json.dumps({"plan": plan, "auto": choice.as_data()}, indent=2) if args.json else choice)
     return 0
 
 

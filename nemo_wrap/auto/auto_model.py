@@ -158,7 +158,7 @@ class NeMoAutoModelForCausalLM:
         """
         options = _options(options, seed=seed, dtype=dtype, force_hf=force_hf, precision=precision, compile=compile)
         request = _resolve(config, DistributedSetup.given(distributed_setup), options, None)
-        return LoadPipeline(request.plan, request.source, config, options).run()
+        return LoadPipeline(request.plan, request.source, config, options, lora=_lora_request(options)).run()
 
 
 def dry_run_pipeline(

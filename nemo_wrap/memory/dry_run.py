@@ -24,6 +24,7 @@ the memory of the communication libraries themselves; the caller states them as 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import cast
 
@@ -42,6 +43,7 @@ from nemo_wrap.loading.model_state import HasModelState
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import Step
 from nemo_wrap.loading.provenance import LoadReport
+from nemo_wrap.memory.cost import ModelSizes
 from nemo_wrap.memory.prediction import MemoryCategory, RankMemory, TrainingShape
 from nemo_wrap.memory.tracking import second_step_peak
 from nemo_wrap.training.step import step_with_label_count
@@ -72,6 +74,18 @@ def simulate_rank(
     (torch's ``replicate`` reads storage as it wraps, and fake tensors have none), plus the
     gradient buckets its reducer allocates once and keeps: as large as the trainable parameters
     (measured: the whole difference between a DDP rank's peak and one process's)."""
+    with warnings.catch_warnings():  # torch's warnings about the dry run's own use of FSDP and meshes
+        warnings.simplefilter("ignore")
+        return _simulate_rank(path_or_config, setup, options, shape, rank)
+
+
+def _simulate_rank(
+    path_or_config: str | Path | PretrainedConfig,
+    setup: DistributedSetup,
+    options: LoadOptions,
+    shape: TrainingShape,
+    rank: int,
+) -> RankMemory:
     replicated = Feature.REPLICATED in setup.entry.traits
     traced = DistributedSetup.single_process() if replicated else setup
     if traced.is_collective:
@@ -100,16 +114,41 @@ def _step_peak(
     """The tensor peak of the second of two training steps, and its split by category."""
     model.train()
     if shape.activation_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = torch.zeros(shape.batch_size, shape.seq_len, dtype=torch.long)
-    micro_batches = [{"input_ids": rows} for _ in range(shape.accumulation)]
+    # from the second micro-batch on, each holds what the second holds (the gradients accumulated
+    # so far, one micro-batch's activations): two stand for any number
+    micro_batches = [{"input_ids": rows} for _ in range(min(shape.accumulation, 2))]
     label_tokens = shape.batch_size * (shape.seq_len - 1) * shape.accumulation * dp_size
     by_kind = second_step_peak(
-        model, optimizer, lambda: step_with_label_count(model, optimizer, micro_batches, label_tokens, None)
+        model,
+        optimizer,
+        micro_batches,
+        lambda batches: step_with_label_count(model, optimizer, batches, label_tokens, None),
     )
     breakdown = tuple((category, by_kind.get(kind, 0)) for kind, category in _CATEGORIES.items())
     return by_kind["Total"], breakdown
+
+
+def model_sizes(path_or_config: str | Path | PretrainedConfig, options: LoadOptions) -> ModelSizes:
+    """The sizes the cost model charges for, from the model as one process builds it on the meta
+    device with ``options`` (its adapters and precision included): no storage, no process group."""
+    pipeline = dry_run_pipeline(path_or_config, DistributedSetup.single_process(), options)
+    model = pipeline.perform(_steps_before_materializing(pipeline.plan.steps))
+    parameters = list(model.parameters())
+    config = model.config
+    heads = config.num_attention_heads
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelSizes(
+        parameters=sum(p.numel() for p in parameters),
+        parameter_bytes=sum(p.numel() * p.element_size() for p in parameters),
+        trainable_bytes=sum(p.numel() * p.element_size() for p in parameters if p.requires_grad),
+        hidden_size=config.hidden_size,
+        kv_size=(getattr(config, "num_key_value_heads", None) or heads) * head_size,
+        layers=config.num_hidden_layers,
+        activation_bytes=max(p.element_size() for p in parameters if p.is_floating_point()),
+    )
 
 
 def _steps_before_materializing(steps: tuple[Step, ...]) -> tuple[Step, ...]:

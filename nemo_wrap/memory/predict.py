@@ -13,13 +13,15 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+from collections.abc import Sequence
+from multiprocessing.context import BaseContext
 from pathlib import Path
 
 from transformers import PretrainedConfig
 
 from nemo_wrap.distributed.combinations import Feature
 from nemo_wrap.distributed.setup import DistributedSetup
-from nemo_wrap.errors import MemoryPredictionError
+from nemo_wrap.errors import InvalidSetupError, MemoryPredictionError
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.memory.dry_run import simulate_rank
 from nemo_wrap.memory.prediction import MemoryPrediction, TrainingShape
@@ -39,29 +41,48 @@ def predict_memory(
     shape: TrainingShape | None = None,
     options: LoadOptions | None = None,
     device_memory: int | None = None,
+    *,
+    ranks: Sequence[int] | None = None,
 ) -> MemoryPrediction:
     """Predict each rank's peak tensor bytes in a training step of ``shape`` (default
     :class:`TrainingShape`) of the model ``from_pretrained(path_or_config, distributed_setup,
     options=options)`` (or ``from_config``, given a config) would load. Reads the config and the
     checkpoint's headers, never a weight. ``device_memory`` (bytes per device) adds whether it fits.
+    ``ranks`` are the ranks to dry-run (default: every rank of a job of up to
+    ``SIMULATED_RANKS_LIMIT``, else the first and the last).
     Raises :class:`MemoryPredictionError` for a layout the dry run cannot trace yet, naming it.
     The ranks run in spawned processes, which import the caller's main module: a script calling
     this needs the usual ``if __name__ == "__main__":`` guard."""
     setup = DistributedSetup.given(distributed_setup)
     options = options or LoadOptions()
     shape = shape or TrainingShape()
-    _refuse_untraced(setup, options, shape)
-    last = setup.world_size - 1
-    ranks = tuple(range(setup.world_size)) if setup.world_size <= SIMULATED_RANKS_LIMIT else (0, last)
+    _refuse_untraced(setup, options)
+    ranks = _ranks(setup.world_size) if ranks is None else tuple(ranks)
+    if not ranks or any(not 0 <= rank < setup.world_size for rank in ranks):
+        raise InvalidSetupError(f"predict_memory: ranks {ranks} are not ranks of a world of {setup.world_size}")
     fresh_setup = dataclasses.replace(setup)  # without this process's mesh: it pickles
     # a fresh process per rank: torch caches process groups and meshes by name, per process
     workers = min(len(ranks), os.cpu_count() or 1)
-    with multiprocessing.get_context("spawn").Pool(workers, maxtasksperchild=1) as pool:
+    with _fresh_processes().Pool(workers, maxtasksperchild=1) as pool:
         per_rank = pool.starmap(simulate_rank, [(path_or_config, fresh_setup, options, shape, r) for r in ranks])
     return MemoryPrediction(shape, tuple(per_rank), device_memory, NOT_COUNTED)
 
 
-def _refuse_untraced(setup: DistributedSetup, options: LoadOptions, shape: TrainingShape) -> None:
+def _fresh_processes() -> BaseContext:
+    """Processes forked from torch's-free server that has imported the dry run (a fork of this
+    process would inherit its process group; a spawned one spends seconds importing torch and
+    transformers, which ``--auto`` pays per candidate). The server starts once per process, with
+    the preload of whoever starts it first."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["nemo_wrap.memory.dry_run"])
+    return context
+
+
+def _ranks(world_size: int) -> tuple[int, ...]:
+    return tuple(range(world_size)) if world_size <= SIMULATED_RANKS_LIMIT else (0, world_size - 1)
+
+
+def _refuse_untraced(setup: DistributedSetup, options: LoadOptions) -> None:
     """Layouts whose step cannot run on fake tensors yet, refused by name before any work."""
     degrees, traits = setup.degrees, setup.entry.traits
     untraced = {
@@ -70,10 +91,6 @@ def _refuse_untraced(setup: DistributedSetup, options: LoadOptions, shape: Train
         f"pipeline parallel (pp={degrees.pp})": degrees.pp > 1,
         f"expert parallel (ep={degrees.ep})": degrees.ep > 1,
         "4-bit quantization": options.quantization_config is not None,
-        "gradient accumulation (torch's MemTracker takes one forward of the model per step)": shape.accumulation > 1,
-        "LoRA adapters (torch's MemTracker hooks every parameter's gradient; frozen ones have none)": (
-            options.peft_config is not None or options.adapter is not None
-        ),
     }
     refused = [name for name, applies in untraced.items() if applies]
     if refused:

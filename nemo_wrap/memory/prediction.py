@@ -14,6 +14,9 @@ from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.vocabulary import Vocabulary
 
 _MIB = 2**20
+# The share of a device's memory a layout search keeps free for what a prediction does not count
+# (the allocator's caching and fragmentation, the CUDA context, the communication buffers).
+DEFAULT_MARGIN = 0.10
 _UNITS = {"B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
@@ -35,7 +38,7 @@ class TrainingShape:
     """The step a prediction is for: rows per rank per micro-batch, tokens per row, micro-batches
     per optimizer step (the recipe's ``training.batch_size``, its sequence length and
     ``training.accumulation``), and whether each decoder layer recomputes its activations in the
-    backward (``model.gradient_checkpointing_enable()``). The optimizer is the recipes' AdamW over
+    backward (``model.activation_checkpointing_enable()``). The optimizer is the recipes' AdamW over
     the trainable parameters."""
 
     batch_size: int = 8

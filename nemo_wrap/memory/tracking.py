@@ -1,24 +1,82 @@
 """What "a step's peak" means here, in one place: torch's ``MemTracker`` over the second of two
 steps (the first makes the optimizer's state). The dry run measures its fake step with it, and the
-tests and ``benchmarks/bench_memory.py`` the real step they compare the prediction with."""
+tests and ``benchmarks/bench_memory.py`` the real step they compare the prediction with.
+
+Two limits of torch's tracker (2.13) are met here rather than refused: it takes one forward of the
+root module per tracked region (gradient accumulation runs several), and it registers a gradient
+hook on every parameter, which torch refuses on a parameter that takes no gradient (LoRA's frozen
+base weights)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TypeVar, overload
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+MicroBatch = Mapping[str, torch.Tensor]
+_Item = TypeVar("_Item")
+
 
 def second_step_peak(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], object]
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[MicroBatch],
+    step: Callable[[Sequence[MicroBatch]], object],
 ) -> dict[str, int]:
-    """Bytes at the peak of the second of two calls of ``step``, on the device that peaks highest:
-    ``"Total"`` and each of torch's categories by its name (``"Parameter"``, ``"Optstate"``, ...)."""
-    step()
-    tracker = MemTracker()
+    """Bytes at the peak of the second of two calls of ``step(micro_batches)``, on the device that
+    peaks highest: ``"Total"`` and each of torch's categories by its name (``"Parameter"``,
+    ``"Optstate"``, ...)."""
+    step(micro_batches)
+    tracker = _FrozenAwareMemTracker()
     tracker.track_external(model, optimizer)
     with tracker:
-        step()
+        step(_ModuleStatsResetBetween(micro_batches, tracker))
     snapshot = max(tracker.get_tracker_snapshot("peak").values(), key=lambda device: device["Total"])
     return {getattr(key, "value", key): int(value) for key, value in snapshot.items()}
+
+
+class _FrozenAwareMemTracker(MemTracker):
+    """torch's tracker, which hooks no gradient of a frozen parameter: before it tracks a module's
+    parameters (FSDP swaps in unsharded ones at each forward), each frozen one is marked as hooked
+    already, with handles that remove nothing. It is still counted as a parameter."""
+
+    def _track_module_params_and_buffers(
+        self, module: torch.nn.Module, install_grad_hooks: bool = True
+    ) -> tuple[int, int]:
+        for parameter in module.parameters():
+            if not parameter.requires_grad and parameter not in self._param_to_grad_hook_handles:
+                self._param_to_grad_hook_handles[parameter] = (_NoHook(), _NoHook())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+
+class _NoHook:
+    """A hook handle with nothing to remove (the tracker removes its handles on exit)."""
+
+    def remove(self) -> None:
+        pass
+
+
+class _ModuleStatsResetBetween(Sequence[_Item]):
+    """The step's micro-batches, clearing the tracker's per-module statistics before each one after
+    the first (its backward is over by then). The peak, which is all that is read, is kept."""
+
+    def __init__(self, items: Sequence[_Item], tracker: MemTracker) -> None:
+        self._items, self._tracker = items, tracker
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @overload
+    def __getitem__(self, index: int) -> _Item: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[_Item]: ...
+    def __getitem__(self, index: int | slice) -> _Item | Sequence[_Item]:
+        return self._items[index]
+
+    def __iter__(self) -> Iterator[_Item]:
+        for index, item in enumerate(self._items):
+            if index:
+                self._tracker.reset_mod_stats()
+            yield item

@@ -169,6 +169,11 @@ class TrainingSection(Checked):
     epochs: int = option(1, "passes over a data set unless steps", "--epochs", _positive)
     batch_size: int = option(8, "rows per rank per micro-batch", "--batch-size", _positive)
     accumulation: int = option(1, "micro-batches per step", "--accumulation", _positive)
+    activation_checkpointing: bool = option(
+        False,
+        "recompute each decoder layer's activations in the backward: less memory, one more forward",
+        "--activation-checkpointing",
+    )
     seed: int = option(0, "data order seed", "--seed")
     eval_every: int | None = option(None, "evaluate every N steps (and at the end)", "--eval-every", _positive)
 

@@ -132,4 +132,4 @@ def training_shape(recipe: Recipe) -> TrainingShape:
 
     data, training = recipe.data, recipe.training
     tokens = data.seq_len if is_text_data(data.train) else data.max_length
-    return TrainingShape(training.batch_size, tokens, training.accumulation)
+    return TrainingShape(training.batch_size, tokens, training.accumulation, training.activation_checkpointing)

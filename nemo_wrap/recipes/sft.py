@@ -116,6 +116,8 @@ def run_sft(
     eval_rows = _data_set_rows(data.eval, data, tokenizer, say) if data.eval else None
     model = NeMoAutoModelForCausalLM.from_pretrained(model_path, distributed_setup=setup, options=config.load)
     say(cast(LoadReport, model.load_report).summary())
+    if training.activation_checkpointing:
+        model.activation_checkpointing_enable()
     job = _job(model, setup, config, train_rows, eval_rows)
     say(
         f"batches: {training.batch_size} rows per rank x {training.accumulation} micro-batch(es) x "

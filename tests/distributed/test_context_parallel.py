@@ -132,7 +132,7 @@ def case_context_parallel(checkpoint: str, degrees: dict, packed: bool, checkpoi
     setup = DistributedSetup.build("fsdp2", dist.get_world_size(), **degrees)
     model = _load(checkpoint, setup, lora)
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     return _one_step_and_curve(model, setup.dp_rank(), setup.dp_size, packed)
 
 

@@ -215,7 +215,7 @@ def case_guarantees(checkpoint: str, resume_dir: str, layout: str) -> dict:
     result["resumed_step"] = load_checkpoint(resume_dir, resumed, resumed_optimizer)
     result["losses"], result["after_resume"] = steps, train_step(resumed, resumed_optimizer, batch(2)).loss
     checkpointed = load()
-    checkpointed.gradient_checkpointing_enable()
+    checkpointed.activation_checkpointing_enable()
     result["checkpointed"] = [train_step(checkpointed, _optimizer(checkpointed), batch(0)).loss]
     mixed = load(precision="bf16-mixed")
     result["bf16_mixed"] = [train_step(mixed, _optimizer(mixed), batch(step)).loss for step in range(3)]

@@ -324,7 +324,7 @@ def case_guarantees(directory: str, resume_dir: str) -> dict:
     result = {"losses": losses, "resumed_step": load_checkpoint(resume_dir, resumed, resumed_optimizer)}
     result["after_resume"] = step(resumed, resumed_optimizer, 2)
     checkpointed = load()
-    checkpointed.gradient_checkpointing_enable()
+    checkpointed.activation_checkpointing_enable()
     result["checkpointed"] = step(checkpointed, optimizer_of(checkpointed), 0)
     mixed = load(precision="bf16-mixed")
     result["bf16_mixed"] = _train(mixed, _rows(setup))

@@ -292,7 +292,7 @@ def case_lora_and_resume(checkpoint: str, adapter: str, resume_dir: str) -> dict
     result["resumed_step"] = load_checkpoint(resume_dir, resumed, resumed_optimizer)
     result["after_resume"], result["first"] = train_step(resumed, resumed_optimizer, batch(2)).loss, steps
     checkpointed = load()
-    checkpointed.gradient_checkpointing_enable()
+    checkpointed.activation_checkpointing_enable()
     result["checkpointed"] = _train(checkpointed, 0, 1, steps=1, micro=2)
     mixed = load(precision="bf16-mixed")
     result["bf16_mixed"] = _train(mixed, 0, 1, micro=2)

@@ -49,16 +49,23 @@ def _setup(layout: str, world_size: int) -> DistributedSetup:
     return DistributedSetup.build("fsdp2", world_size, tp_size=2 if layout == "tp" else 1)
 
 
-def case_measured_peak(tied: bool, layout: str, world_size: int, shape: TrainingShape) -> int:
+def _options(lora: bool) -> LoadOptions:
+    return LoadOptions(seed=0, peft_config=LoraConfig(r=8, target_modules="all-linear") if lora else None)
+
+
+def case_measured_peak(tied: bool, layout: str, world_size: int, shape: TrainingShape, lora: bool = False) -> int:
     """This rank's tensor peak in the second of two real training steps of ``shape``."""
     torch.set_num_threads(1)
     setup = _setup(layout, world_size)
-    model = NeMoAutoModelForCausalLM.from_config(_config(tied), setup, seed=0)
+    model = NeMoAutoModelForCausalLM.from_config(_config(tied), setup, options=_options(lora))
     if shape.activation_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = torch.randint(0, 4096, (shape.batch_size, shape.seq_len), generator=torch.Generator().manual_seed(0))
-    return second_step_peak(model, optimizer, lambda: train_step(model, optimizer, [{"input_ids": rows}]))["Total"]
+    micro_batches = [{"input_ids": rows}] * shape.accumulation
+    return second_step_peak(model, optimizer, micro_batches, lambda batches: train_step(model, optimizer, batches))[
+        "Total"
+    ]
 
 
 def _assert_close(predicted: list[int], measured: list[int]) -> None:
@@ -66,10 +73,14 @@ def _assert_close(predicted: list[int], measured: list[int]) -> None:
     assert all(abs(ratio - 1) <= TOLERANCE for ratio in ratios), (predicted, measured, ratios)
 
 
-def test_one_process_prediction_matches_the_measured_peak():
-    predicted = predict_memory(_config(tied=False), None, SHAPE)
+ACCUMULATED = TrainingShape(batch_size=2, seq_len=128, accumulation=3)
+
+
+@pytest.mark.parametrize(("shape", "lora"), [(SHAPE, False), (ACCUMULATED, False), (SHAPE, True)], ids=str)
+def test_one_process_prediction_matches_the_measured_peak(shape, lora):
+    predicted = predict_memory(_config(tied=False), None, shape, _options(lora))
     assert [rank.rank for rank in predicted.per_rank] == [0]
-    _assert_close([predicted.peak_bytes], [case_measured_peak(False, "one", 1, SHAPE)])
+    _assert_close([predicted.peak_bytes], [case_measured_peak(False, "one", 1, shape, lora)])
 
 
 RECOMPUTED = TrainingShape(batch_size=4, seq_len=256, activation_checkpointing=True)
@@ -78,12 +89,21 @@ RECOMPUTED = TrainingShape(batch_size=4, seq_len=256, activation_checkpointing=T
 @pytest.mark.parametrize(
     ("tied", "layout", "shape"),
     [(False, "fsdp2", SHAPE), (True, "fsdp2", SHAPE), (False, "tp", SHAPE), (True, "ddp", SHAPE), (False, "cp", SHAPE)]
-    + [(False, "fsdp2", RECOMPUTED), (False, "ddp", RECOMPUTED), (True, "tp", RECOMPUTED)],
+    + [(False, "fsdp2", RECOMPUTED), (False, "ddp", RECOMPUTED), (True, "tp", RECOMPUTED)]
+    + [(False, "fsdp2", ACCUMULATED), (True, "ddp", ACCUMULATED)],
     ids=str,
 )
 def test_two_rank_predictions_match_each_rank_s_measured_peak(ranks2, tied, layout, shape):
     predicted = predict_memory(_config(tied), _setup(layout, 2), shape)
     measured = ranks2.run(case_measured_peak, tied, layout, 2, shape)
+    assert [rank.rank for rank in predicted.per_rank] == [0, 1]
+    _assert_close([rank.peak_bytes for rank in predicted.per_rank], measured)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp"])
+def test_lora_predictions_match_each_rank_s_measured_peak(ranks2, layout):
+    predicted = predict_memory(_config(tied=False), _setup(layout, 2), SHAPE, _options(lora=True))
+    measured = ranks2.run(case_measured_peak, False, layout, 2, SHAPE, True)
     assert [rank.rank for rank in predicted.per_rank] == [0, 1]
     _assert_close([rank.peak_bytes for rank in predicted.per_rank], measured)
 
@@ -102,10 +122,6 @@ def test_layouts_the_dry_run_cannot_trace_are_refused_by_name():
         predict_memory(_config(tied=False), DistributedSetup.build("ddp", 4, tp_size=2), SHAPE)
     with pytest.raises(MemoryPredictionError, match=r"pipeline parallel \(pp=2\)"):
         predict_memory(_config(tied=False), DistributedSetup.build("fsdp2", 2, pp_size=2), SHAPE)
-    with pytest.raises(MemoryPredictionError, match="gradient accumulation"):
-        predict_memory(_config(tied=False), None, TrainingShape(accumulation=2))
-    with pytest.raises(MemoryPredictionError, match="LoRA adapters"):
-        predict_memory(_config(tied=False), None, SHAPE, LoadOptions(peft_config=LoraConfig(r=4)))
 
 
 @pytest.mark.parametrize(("text", "size"), [("80GiB", 80 * 2**30), ("512 MiB", 512 * 2**20), ("2e9", 2 * 10**9)])
@@ -134,8 +150,10 @@ def test_the_plan_command_prints_the_prediction_as_json_and_whether_it_fits(caps
         assert rank["peak_bytes"] == sum(rank["breakdown"].values()) > 2**20
 
 
-def test_the_plan_command_predicts_the_job_finetune_runs_and_refuses_its_lora_by_name(capsys):
-    with pytest.raises(SystemExit) as stopped:
-        main(["plan", "--memory", "--lora-r", "8"])
-    assert stopped.value.code == 2
-    assert "LoRA adapters" in capsys.readouterr().err
+def test_the_plan_command_predicts_the_job_finetune_runs_its_lora_included(capsys):
+    optimizer_state = []
+    for lora in ([], ["--lora-r", "8"]):
+        assert main(["plan", "--memory", "--json", "--batch-size", "2", *lora]) == 0
+        breakdown = json.loads(capsys.readouterr().out)["memory"]["per_rank"][0]["breakdown"]
+        optimizer_state.append(breakdown["optimizer_state"])
+    assert 0 < optimizer_state[1] < 0.1 * optimizer_state[0]  # AdamW over the adapters only

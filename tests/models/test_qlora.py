@@ -167,7 +167,7 @@ def test_an_adapter_trained_by_peft_on_transformers_4bit_model_loads_here(base, 
 def test_activation_checkpointing_gives_the_same_qlora_step(tmp_path):
     base = write_checkpoint(tmp_path / "base", "own-llama", "random", tie=False)
     plain, checkpointed = _qlora(base), _qlora(base)
-    checkpointed.gradient_checkpointing_enable()
+    checkpointed.activation_checkpointing_enable()
     for model in (plain, checkpointed):
         model.train()
         model(IDS, labels=IDS).loss.backward()

@@ -1,4 +1,4 @@
-"""``model.gradient_checkpointing_enable()``, transformers' own switch, on our classes and the fallback:
+"""``model.activation_checkpointing_enable()``, transformers' own switch, on our classes and the fallback:
 the same loss and gradients as without it, in one process and under every strategy."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _loss_and_gradients(
     )
     model.train()
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
         assert model.is_gradient_checkpointing
     calls = []
     model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: calls.append(1))

@@ -103,7 +103,7 @@ def _trained(checkpoint, options: LoadOptions, checkpointing: bool, batches):
     """:func:`_one_sgd_step` of a checkpoint, with activation checkpointing where asked."""
     model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, options=replace(options, seed=3))
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     loss = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), batches).loss
     return loss, evaluate(model, batches), {name: _whole(p) for name, p in model.named_parameters()}
 

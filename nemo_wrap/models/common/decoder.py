@@ -44,7 +44,7 @@ class DecoderLayer(GradientCheckpointingLayer):
     """``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
     Deriving from transformers' ``GradientCheckpointingLayer`` lets
-    ``model.gradient_checkpointing_enable()`` checkpoint each layer; ``hidden_states`` is
+    ``model.activation_checkpointing_enable()`` checkpoint each layer; ``hidden_states`` is
     positional for that reason (re-entrant checkpointing only tracks positional inputs).
     """
 

@@ -1,0 +1,137 @@
+"""The layouts ``--auto`` chooses among: the ways to run one job on one machine that the dry run
+can predict.
+
+A layout is the setup's degrees (strategy, tensor-parallel, context-parallel, HSDP replicas),
+whether each decoder layer recomputes its activations in the backward, and the micro-batch. The
+job stays the one the user asked for: every layout takes the same rows per optimizer step over
+all data-parallel ranks (the global batch) of the same tokens, so they train the same steps and
+differ only in memory and cost. Not enumerated: tensor parallel across nodes (its per-layer
+exchanges would run at the inter-node speed), pipeline and expert parallel (the dry run cannot
+trace them yet), Megatron-FSDP (likewise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_wrap.distributed.setup import DistributedSetup
+from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.memory.prediction import TrainingShape
+
+# (strategy, tp, cp, HSDP replicas): what a layout shards by
+Degrees = tuple[str, int, int, int]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the job runs on, and the speeds the cost model charges (:mod:`.cost`). The defaults
+    are a node of 80 GB H100s: an NVLink collective sustains about 150 GB/s per GPU, a 400 Gb/s
+    InfiniBand link per GPU about 40 GB/s, and a training step about 400 TFLOP/s per GPU in bf16
+    (40% of the dense peak). Only the ranking uses them: the memory prediction does not."""
+
+    nproc_per_node: int
+    device_memory: int  # bytes per device
+    nnodes: int = 1
+    intra_node_bandwidth: float = 150e9  # bytes/s per rank in a collective within a node
+    inter_node_bandwidth: float = 40e9  # bytes/s per rank in a collective across nodes
+    flops: float = 400e12  # sustained FLOP/s per device in a training step
+
+    def __post_init__(self) -> None:
+        for name in ("nproc_per_node", "device_memory", "nnodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidSetupError(f"Machine: {name} must be a positive integer, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the job: the degrees, the micro-batch (rows per rank) and micro-batches per
+    step, and whether activations are recomputed."""
+
+    strategy: str  # "single_process" | "ddp" | "fsdp2"
+    micro_batch: int
+    accumulation: int
+    activation_checkpointing: bool = False
+    tp: int = 1
+    cp: int = 1
+    dp_replicate: int = 1
+
+    def setup(self, world_size: int) -> DistributedSetup:
+        if self.strategy == "single_process":
+            return DistributedSetup.single_process()
+        return DistributedSetup.build(
+            self.strategy, world_size, tp_size=self.tp, cp_size=self.cp, dp_replicate_size=self.dp_replicate
+        )
+
+    def shape(self, seq_len: int) -> TrainingShape:
+        return TrainingShape(self.micro_batch, seq_len, self.accumulation, self.activation_checkpointing)
+
+    @property
+    def degrees(self) -> Degrees:
+        """What the layout shards by: variants of the same degrees differ in batch and recompute only."""
+        return (self.strategy, self.tp, self.cp, self.dp_replicate)
+
+    def describe(self) -> str:
+        degrees = [f"{name} {size}" for name, size in (("tp", self.tp), ("cp", self.cp)) if size > 1]
+        if self.dp_replicate > 1:
+            degrees.append(f"{self.dp_replicate} replicas")
+        recomputed = ", recomputed" if self.activation_checkpointing else ""
+        batches = f"{self.micro_batch} row(s) × {self.accumulation} micro-batch(es)"
+        return f"{' '.join([self.strategy, *degrees])}, {batches}{recomputed}"
+
+    def recipe(self, machine: Machine) -> dict[str, dict[str, Any]]:
+        """The recipe keys that run this layout with ``nemo-wrap finetune`` (``nproc`` on one node;
+        on several, torchrun's own flags say how many ranks)."""
+        distributed: dict[str, Any] = {"strategy": "fsdp2" if self.strategy == "single_process" else self.strategy}
+        if machine.nnodes == 1:
+            distributed["nproc"] = machine.nproc_per_node
+        distributed.update(tp_size=self.tp, cp_size=self.cp, dp_replicate_size=self.dp_replicate)
+        training = {
+            "batch_size": self.micro_batch,
+            "accumulation": self.accumulation,
+            "activation_checkpointing": self.activation_checkpointing,
+        }
+        return {"distributed": distributed, "training": training}
+
+
+def candidate_layouts(machine: Machine, global_batch: int) -> tuple[Layout, ...]:
+    """Every layout of ``machine`` that takes ``global_batch`` rows a step: each degree combination
+    whose data-parallel ranks share the rows evenly, with every micro-batch that divides a rank's
+    rows, with and without recomputing activations."""
+    layouts = []
+    for strategy, tp, cp, replicas in _degree_combinations(machine):
+        data_parallel = machine.world_size // (tp * cp)
+        if global_batch % data_parallel:
+            continue
+        rows = global_batch // data_parallel
+        for micro_batch in (size for size in range(rows, 0, -1) if rows % size == 0):
+            for recompute in (False, True):
+                layouts.append(Layout(strategy, micro_batch, rows // micro_batch, recompute, tp, cp, replicas))
+    return tuple(layouts)
+
+
+def _degree_combinations(machine: Machine) -> list[Degrees]:
+    """(strategy, tp, cp, replicas): DDP; fsdp2 with tp within a node and cp over what is left;
+    on several nodes also HSDP with one replica per node (shards within the node)."""
+    world = machine.world_size
+    if world == 1:
+        return [("single_process", 1, 1, 1)]
+    combinations = [("ddp", 1, 1, 1)]
+    for tp in _divisors(world):
+        if tp > machine.nproc_per_node:
+            continue
+        for cp in _divisors(world // tp):
+            combinations.append(("fsdp2", tp, cp, 1))
+            data_parallel = world // (tp * cp)
+            if machine.nnodes > 1 and data_parallel % machine.nnodes == 0 and data_parallel > machine.nnodes:
+                combinations.append(("fsdp2", tp, cp, machine.nnodes))
+    return combinations
+
+
+def _divisors(number: int) -> list[int]:
+    return [size for size in range(1, number + 1) if number % size == 0]

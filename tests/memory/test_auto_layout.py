@@ -1,0 +1,148 @@
+"""``choose_layout`` / ``plan --auto``: the layouts it weighs, its cost model, and its choice run
+for real on gloo ranks: under the budget on every rank, and where nothing fits, the smallest
+candidate, run, indeed over it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from transformers import LlamaConfig
+
+from nemo_wrap.auto import NeMoAutoModelForCausalLM
+from nemo_wrap.cli import main
+from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.loading.options import LoadOptions
+from nemo_wrap.memory import Layout, Machine, choose_layout, predict_memory
+from nemo_wrap.memory.cost import ModelSizes, step_cost
+from nemo_wrap.memory.layouts import candidate_layouts
+from nemo_wrap.memory.tracking import second_step_peak
+from nemo_wrap.recipes.config_file import Setting, build_recipe
+from nemo_wrap.recipes.job import distributed_setup, training_shape
+from nemo_wrap.training import train_step
+
+MIB = 2**20
+SEQ_LEN = 128
+SIZES = ModelSizes(
+    parameters=10**6,
+    parameter_bytes=4 * 10**6,
+    trainable_bytes=4 * 10**6,
+    hidden_size=256,
+    kv_size=128,
+    layers=4,
+    activation_bytes=4,
+)
+
+
+def _config() -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
+
+
+def test_every_candidate_trains_the_asked_rows_per_step_on_the_machine():
+    machine = Machine(nproc_per_node=2, device_memory=MIB, nnodes=2)
+    layouts = candidate_layouts(machine, global_batch=8)
+    for layout in layouts:
+        data_parallel = machine.world_size // (layout.tp * layout.cp)
+        assert layout.micro_batch * layout.accumulation * data_parallel == 8
+        assert layout.tp <= machine.nproc_per_node  # no tensor parallel across nodes
+        assert layout.setup(machine.world_size).world_size == 4
+    degrees = {layout.degrees for layout in layouts}
+    assert degrees == {
+        ("ddp", 1, 1, 1),
+        ("fsdp2", 1, 1, 1),
+        ("fsdp2", 1, 1, 2),  # HSDP: a replica per node
+        ("fsdp2", 1, 2, 1),
+        ("fsdp2", 1, 4, 1),
+        ("fsdp2", 2, 1, 1),
+        ("fsdp2", 2, 2, 1),
+    }
+    assert sum(layout.degrees == ("fsdp2", 1, 1, 1) for layout in layouts) == 2 * 2  # micro-batch 2 or 1, AC or not
+    with pytest.raises(InvalidSetupError, match="nproc_per_node"):
+        Machine(nproc_per_node=0, device_memory=MIB)
+
+
+def test_the_cost_model_charges_each_exchange_at_its_link_s_speed():
+    one_node = Machine(nproc_per_node=4, device_memory=MIB, intra_node_bandwidth=100e9, inter_node_bandwidth=10e9)
+    ddp = step_cost(Layout("ddp", 2, 1), SIZES, one_node, SEQ_LEN)
+    assert ddp.parts == (("ddp all-reduce", 2 * 3 / 4 * 4e6 / 100e9),)
+    two_nodes = Machine(nproc_per_node=2, device_memory=MIB, nnodes=2, inter_node_bandwidth=10e9)
+    assert step_cost(Layout("ddp", 2, 1), SIZES, two_nodes, SEQ_LEN).seconds == pytest.approx(10 * ddp.seconds)
+    fsdp = step_cost(Layout("fsdp2", 2, 1), SIZES, one_node, SEQ_LEN).seconds
+    accumulated = step_cost(Layout("fsdp2", 1, 2), SIZES, one_node, SEQ_LEN).seconds
+    assert fsdp == pytest.approx(3 / 4 * 3 * 4e6 / 100e9) and accumulated == pytest.approx(5 / 3 * fsdp)
+    recomputed = step_cost(Layout("fsdp2", 2, 1, activation_checkpointing=True), SIZES, one_node, SEQ_LEN)
+    assert dict(recomputed.parts)["recompute"] == pytest.approx(2 * 10**6 * (2 * SEQ_LEN * 4) / 4 / one_node.flops)
+
+
+def test_the_recipe_fragment_is_the_layout_s_job():
+    machine = Machine(nproc_per_node=4, device_memory=MIB)
+    layout = Layout("fsdp2", 2, 3, activation_checkpointing=True, tp=2)
+    settings = [
+        Setting(f"{section}.{key}", value, "fragment")
+        for section, keys in layout.recipe(machine).items()
+        for key, value in keys.items()
+    ]
+    recipe = build_recipe([*settings, Setting("data.seq_len", SEQ_LEN, "test")])
+    assert distributed_setup(recipe, 4) == layout.setup(4)
+    assert training_shape(recipe) == layout.shape(SEQ_LEN)
+
+
+def layout_measured_peak(layout: Layout, world_size: int) -> int:
+    """This rank's tensor peak in the second of two real steps of ``layout``."""
+    torch.set_num_threads(1)
+    model = NeMoAutoModelForCausalLM.from_config(_config(), layout.setup(world_size), options=LoadOptions(seed=0))
+    if layout.activation_checkpointing:
+        model.activation_checkpointing_enable()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rows = torch.randint(0, 4096, (layout.micro_batch, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": rows}] * layout.accumulation
+    return second_step_peak(model, optimizer, batches, lambda given: train_step(model, optimizer, given))["Total"]
+
+
+def test_the_chosen_layout_run_for_real_stays_under_the_budget_on_every_rank(ranks2):
+    # 8 rows of 128 tokens a step on 2 ranks: plain fsdp2 (4 rows a rank) predicts 91.5 MiB
+    machine = Machine(nproc_per_node=2, device_memory=80 * MIB)
+    choice = choose_layout(_config(), machine, global_batch=8, seq_len=SEQ_LEN)
+    plain = predict_memory(_config(), Layout("fsdp2", 4, 1).setup(2), Layout("fsdp2", 4, 1).shape(SEQ_LEN))
+    assert plain.peak_bytes > choice.budget  # a budget the plain layout exceeds
+    assert choice.chosen is not None and choice.chosen.peak_bytes is not None
+    assert choice.fitting == tuple(sorted(choice.fitting, key=lambda c: c.cost.seconds))
+    measured = ranks2.run(layout_measured_peak, choice.chosen.layout, 2)
+    assert max(measured) <= choice.budget, (choice.chosen.describe(), measured)
+    assert "chosen, as a recipe fragment" in str(choice)
+
+
+def test_when_nothing_fits_it_says_what_the_smallest_layout_needs_and_that_one_is_over(ranks2):
+    # the smallest layout predicts 48.7 MiB: the budget is 45 MiB
+    machine = Machine(nproc_per_node=2, device_memory=50 * MIB)
+    choice = choose_layout(_config(), machine, global_batch=8, seq_len=SEQ_LEN)
+    assert choice.chosen is None and choice.smallest is not None
+    assert "nothing fits: the smallest" in str(choice)
+    measured = ranks2.run(layout_measured_peak, choice.smallest.layout, 2)
+    assert max(measured) > choice.budget, (choice.smallest.describe(), measured)
+
+
+def test_plan_auto_prints_a_fragment_that_finetune_reads(capsys, tmp_path):
+    command = "plan --auto --nproc 2 --batch-size 2 --seq-len 32 --device-memory 1GiB --json"
+    assert main(command.split()) == 0
+    chosen = json.loads(capsys.readouterr().out)["auto"]["chosen"]
+    assert chosen["distributed"]["nproc"] == 2 and chosen["training"]["batch_size"] * chosen["training"][
+        "accumulation"
+    ] * 2 // (chosen["distributed"]["tp_size"] * chosen["distributed"]["cp_size"]) == 2 * 2
+    fragment = tmp_path / "layout.yaml"
+    fragment.write_text(yaml.safe_dump(chosen))
+    assert main(["finetune", "--config", str(fragment), "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["distributed"]["nproc"] == 2
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", "--auto", "--nproc", "2"])
+    assert stopped.value.code == 2
+    assert "--device-memory" in capsys.readouterr().err
