@@ -24,8 +24,8 @@ import torch
 
 from benchmarks import (
     bench_activation_checkpointing,
-    bench_auto_layout,
     bench_async_save,
+    bench_auto_layout,
     bench_compile,
     bench_context_parallel,
     bench_default_precision,
