@@ -113,7 +113,7 @@ def _add_memory_flags(parser: argparse.ArgumentParser) -> None:
         "recipe's rows per step; print the best five, why the others were dropped, and the chosen one "
         "as a recipe fragment",
     )
-    parser.add_argument("--nnodes", type=int, default=1, help="nodes, for --auto (default 1)")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes of --nproc ranks each (default 1)")
     parser.add_argument(
         "--margin",
         type=float,

@@ -4,12 +4,13 @@ The search is the memory prediction and the cost model put together. Every candi
 (:func:`.layouts.candidate_layouts`) is costed first, which is arithmetic; then, cheapest first,
 candidates are dry-run (:func:`.predict.predict_memory`, the first and the last rank) until
 ``TOP`` of them fit. A candidate is not dry-run when a cheaper variant of its degrees already fits
-(it could only cost more), or when ``TOP`` cheaper layouts fit; a degree combination the setup or
-the dry run refuses is refused once, with its reason, for all its variants. Fitting means the
-predicted peak stays under the device memory less a ``margin`` kept for what the prediction does
-not count (the allocator's caching and fragmentation, the CUDA context, the communication
-libraries' buffers): 10% by default. When nothing fits every candidate has been dry-run, and the
-smallest peak among them says what the job needs.
+(it could only cost more), when ``TOP`` cheaper layouts fit, or when the variants of its degrees
+that hold least (:func:`_floor`) do not fit; a degree combination the setup or the dry run refuses
+is refused once, with its reason, for all its variants. Fitting means the predicted peak stays
+under the device memory less a ``margin`` kept for what the prediction does not count (the
+allocator's caching and fragmentation, the CUDA context, the communication libraries' buffers):
+10% by default. When nothing fits, the lightest variants of every degree combination have been
+dry-run, and the smallest peak among them says what the job needs.
 """
 
 from __future__ import annotations
@@ -187,13 +188,14 @@ class _Search:
             return Candidate(layout, cost, Verdict.BEYOND_TOP)
         floor = _floor(layout, self.layouts)
         if not any(self._fits(smallest) for smallest in floor) and layout not in floor:
-            return self._verdict_without_run(layout, cost)
+            return self._not_fitting(layout, cost)
         if not self._fits(layout):
-            return self._verdict_without_run(layout, cost)
+            return self._not_fitting(layout, cost)
         self.fitting_degrees.add(layout.degrees)
         return Candidate(layout, cost, Verdict.FITS, self.peaks[layout])
 
-    def _verdict_without_run(self, layout: Layout, cost: StepCost) -> Candidate:
+    def _not_fitting(self, layout: Layout, cost: StepCost) -> Candidate:
+        """Refused, over the budget as dry-run, or not dry-run because its lightest variants are over."""
         if layout.degrees in self.refused:
             return Candidate(layout, cost, Verdict.REFUSED, reason=self.refused[layout.degrees])
         if layout in self.peaks:

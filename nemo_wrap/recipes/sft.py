@@ -118,6 +118,7 @@ def run_sft(
     say(cast(LoadReport, model.load_report).summary())
     if training.activation_checkpointing:
         model.activation_checkpointing_enable()
+        say("activation checkpointing: each decoder layer recomputes its activations in the backward")
     job = _job(model, setup, config, train_rows, eval_rows)
     say(
         f"batches: {training.batch_size} rows per rank x {training.accumulation} micro-batch(es) x "

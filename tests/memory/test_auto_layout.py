@@ -5,6 +5,7 @@ candidate, run, indeed over it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from nemo_wrap.recipes.job import distributed_setup, training_shape
 from nemo_wrap.training import train_step
 
 MIB = 2**20
+README = Path(__file__).resolve().parents[2] / "README.md"
 SEQ_LEN = 128
 SIZES = ModelSizes(
     parameters=10**6,
@@ -132,12 +134,19 @@ def test_when_nothing_fits_it_says_what_the_smallest_layout_needs_and_that_one_i
 
 
 def test_plan_auto_prints_a_fragment_that_finetune_reads(capsys, tmp_path):
+    """The README's and the docs' command, as shown there."""
     command = "plan --auto --nproc 2 --batch-size 2 --seq-len 32 --device-memory 1GiB --json"
+    assert all(f"nemo-wrap {command}" in page.read_text() for page in (README, README.parent / "docs" / "memory.md"))
     assert main(command.split()) == 0
     chosen = json.loads(capsys.readouterr().out)["auto"]["chosen"]
-    assert chosen["distributed"]["nproc"] == 2 and chosen["training"]["batch_size"] * chosen["training"][
-        "accumulation"
-    ] * 2 // (chosen["distributed"]["tp_size"] * chosen["distributed"]["cp_size"]) == 2 * 2
+    assert (
+        chosen["distributed"]["nproc"] == 2
+        and chosen["training"]["batch_size"]
+        * chosen["training"]["accumulation"]
+        * 2
+        // (chosen["distributed"]["tp_size"] * chosen["distributed"]["cp_size"])
+        == 2 * 2
+    )
     fragment = tmp_path / "layout.yaml"
     fragment.write_text(yaml.safe_dump(chosen))
     assert main(["finetune", "--config", str(fragment), "--print-config"]) == 0

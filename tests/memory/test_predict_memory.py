@@ -22,6 +22,7 @@ from nemo_wrap.training import train_step
 
 SHAPE = TrainingShape(batch_size=4, seq_len=128)
 README = Path(__file__).resolve().parents[2] / "README.md"
+MEMORY_DOCS = README.parent / "docs" / "memory.md"
 # the goal is ±10%; the dry run runs the very code: exact on most layouts, fsdp2 at 128 tokens 4%
 # over (its activations), so a drift past 5% is a bug
 TOLERANCE = 0.05
@@ -88,9 +89,18 @@ RECOMPUTED = TrainingShape(batch_size=4, seq_len=256, activation_checkpointing=T
 
 @pytest.mark.parametrize(
     ("tied", "layout", "shape"),
-    [(False, "fsdp2", SHAPE), (True, "fsdp2", SHAPE), (False, "tp", SHAPE), (True, "ddp", SHAPE), (False, "cp", SHAPE)]
-    + [(False, "fsdp2", RECOMPUTED), (False, "ddp", RECOMPUTED), (True, "tp", RECOMPUTED)]
-    + [(False, "fsdp2", ACCUMULATED), (True, "ddp", ACCUMULATED)],
+    [
+        (False, "fsdp2", SHAPE),
+        (True, "fsdp2", SHAPE),
+        (False, "tp", SHAPE),
+        (True, "ddp", SHAPE),
+        (False, "cp", SHAPE),
+        (False, "fsdp2", RECOMPUTED),
+        (False, "ddp", RECOMPUTED),
+        (True, "tp", RECOMPUTED),
+        (False, "fsdp2", ACCUMULATED),
+        (True, "ddp", ACCUMULATED),
+    ],
     ids=str,
 )
 def test_two_rank_predictions_match_each_rank_s_measured_peak(ranks2, tied, layout, shape):
@@ -138,7 +148,7 @@ def test_an_unreadable_device_memory_names_the_argument(text):
 def test_the_plan_command_prints_the_prediction_as_json_and_whether_it_fits(capsys):
     """The README's command, as shown there."""
     command = "plan --nproc 2 --batch-size 2 --seq-len 32 --device-memory 1MiB --json"
-    assert f"nemo-wrap {command}" in README.read_text()
+    assert f"nemo-wrap {command}" in README.read_text() and f"nemo-wrap {command}" in MEMORY_DOCS.read_text()
     assert main(command.split()) == 0
     printed = json.loads(capsys.readouterr().out)
     memory = printed["memory"]

@@ -56,6 +56,16 @@ def test_no_command_means_finetune_on_the_default(cache, tmp_path, capsys):
     assert not dist.is_initialized()
 
 
+def test_activation_checkpointing_recomputes_and_keeps_the_losses(cache, tmp_path, capsys):
+    losses = []
+    for switch in ([], ["--activation-checkpointing"]):
+        assert main(["--steps", "2", "--output-dir", str(tmp_path / f"out{len(switch)}"), *switch]) == 0
+        out = capsys.readouterr().out
+        assert ("each decoder layer recomputes its activations" in out) == bool(switch)
+        losses.append(_losses(out))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
 def test_finetune_on_two_ranks_through_nproc(cache, tmp_path):
     output = tmp_path / "out"
     completed = subprocess.run(
