@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.bench_memory import llama_30m
 from benchmarks.common import Table, measure_main, run_measure
 
 MODULE = "benchmarks.bench_auto_layout"
@@ -68,14 +69,7 @@ def _config(model: str) -> Any:
             num_key_value_heads=3,
             tie_word_embeddings=True,
         )
-    return LlamaConfig(
-        vocab_size=8192,
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-    )
+    return llama_30m(tied=False)
 
 
 def _options(scenario: Scenario) -> Any:

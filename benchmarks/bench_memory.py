@@ -74,7 +74,8 @@ CASES = {
 }
 
 
-def _config(tied: bool) -> Any:
+def llama_30m(tied: bool) -> Any:
+    """The 30M-class Llama of the memory benchmarks (``bench_auto_layout`` too)."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -122,7 +123,7 @@ def measure(kind: str) -> dict[str, Any]:
     case = CASES[kind]
     if case.ranks > 1:
         initialize_distributed()
-    model = NeMoAutoModelForCausalLM.from_config(_config(case.tied), _setup(case), seed=0)
+    model = NeMoAutoModelForCausalLM.from_config(llama_30m(case.tied), _setup(case), seed=0)
     if case.recompute:
         model.activation_checkpointing_enable()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -143,7 +144,7 @@ def table() -> Table:
     worst = 0.0
     for kind, case in CASES.items():
         predicted = [
-            rank.peak_bytes for rank in predict_memory(_config(case.tied), _setup(case), _shape(case)).per_rank
+            rank.peak_bytes for rank in predict_memory(llama_30m(case.tied), _setup(case), _shape(case)).per_rank
         ]
         measured = [row["peak"] for row in run_measure(MODULE, kind, case.ranks)]
         ratios = [p / m for p, m in zip(predicted, measured, strict=True)]

@@ -74,38 +74,40 @@ def simulate_rank(
     (torch's ``replicate`` reads storage as it wraps, and fake tensors have none), plus the
     gradient buckets its reducer allocates once and keeps: as large as the trainable parameters
     (measured: the whole difference between a DDP rank's peak and one process's)."""
-    with warnings.catch_warnings():  # torch's warnings about the dry run's own use of FSDP and meshes
-        warnings.simplefilter("ignore")
-        return _simulate_rank(path_or_config, setup, options, shape, rank)
-
-
-def _simulate_rank(
-    path_or_config: str | Path | PretrainedConfig,
-    setup: DistributedSetup,
-    options: LoadOptions,
-    shape: TrainingShape,
-    rank: int,
-) -> RankMemory:
     replicated = Feature.REPLICATED in setup.entry.traits
     traced = DistributedSetup.single_process() if replicated else setup
     if traced.is_collective:
         dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=traced.world_size)
     try:
-        pipeline = dry_run_pipeline(path_or_config, traced, options)  # config and headers: real reads
-        # on the meta device, as in a real load; meshes and groups are made of real rank tensors
-        model = pipeline.perform(_steps_before_materializing(pipeline.plan.steps))
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            _materialize_fake(model)
-        # the steps take the loss path from the load's report: this one says nothing was read
-        cast(HasModelState, model).nemo_state.load_report = LoadReport(pipeline.plan, provenance={})
-        # outside the mode, what the step creates from real inputs stays real (positions, labels):
-        # transformers takes a fake position for tracing and would build masks the real step skips
-        peak, breakdown = _step_peak(model, shape, setup.dp_size)
+        with warnings.catch_warnings():  # torch's warnings about the dry run's own use of FSDP and meshes
+            warnings.simplefilter("ignore")
+            model, peak, breakdown = _dry_run(path_or_config, traced, options, shape, setup.dp_size)
     finally:
         if traced.is_collective:
             dist.destroy_process_group()
     buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if replicated else 0
     return RankMemory(rank, peak + buckets, (*breakdown, (MemoryCategory.GRADIENT_BUCKETS, buckets)))
+
+
+def _dry_run(
+    path_or_config: str | Path | PretrainedConfig,
+    setup: DistributedSetup,
+    options: LoadOptions,
+    shape: TrainingShape,
+    dp_size: int,
+) -> tuple[PreTrainedModel, int, tuple[tuple[MemoryCategory, int], ...]]:
+    """The model built, sharded and materialized on fake tensors, and its step's peak."""
+    pipeline = dry_run_pipeline(path_or_config, setup, options)  # config and headers: real reads
+    # on the meta device, as in a real load; meshes and groups are made of real rank tensors
+    model = pipeline.perform(_steps_before_materializing(pipeline.plan.steps))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        _materialize_fake(model)
+    # the steps take the loss path from the load's report: this one says nothing was read
+    cast(HasModelState, model).nemo_state.load_report = LoadReport(pipeline.plan, provenance={})
+    # outside the mode, what the step creates from real inputs stays real (positions, labels):
+    # transformers takes a fake position for tracing and would build masks the real step skips
+    peak, breakdown = _step_peak(model, shape, dp_size)
+    return model, peak, breakdown
 
 
 def _step_peak(

@@ -23,6 +23,7 @@ from nemo_wrap.memory.tracking import second_step_peak
 from nemo_wrap.recipes.config_file import Setting, build_recipe
 from nemo_wrap.recipes.job import distributed_setup, training_shape
 from nemo_wrap.training import train_step
+from tests.memory.test_predict_memory import _config as llama_config
 
 MIB = 2**20
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -39,14 +40,7 @@ SIZES = ModelSizes(
 
 
 def _config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-    )
+    return llama_config(tied=False)
 
 
 def test_every_candidate_trains_the_asked_rows_per_step_on_the_machine():
