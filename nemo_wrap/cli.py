@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_wrap.distributed import destroy_distributed, initialize_distributed
+from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import InvalidSetupError, NeMoWrapError, PreemptedError, TokenizerNotFoundError
 from nemo_wrap.memory.prediction import DEFAULT_MARGIN
 from nemo_wrap.recipes.config import Recipe
@@ -269,7 +270,9 @@ def _run_plan(recipe: Recipe, args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_auto(recipe: Recipe, args: argparse.Namespace, setup: Any, plan: str, device_memory: int | None) -> int:
+def _run_auto(
+    recipe: Recipe, args: argparse.Namespace, setup: DistributedSetup, plan: str, device_memory: int | None
+) -> int:
     """``plan --auto``: the layout for the recipe's job (its rows per step, tokens per row and load
     options, LoRA included) on ``--nnodes`` nodes of ``--nproc`` ranks."""
     from nemo_wrap.memory import Machine, choose_layout

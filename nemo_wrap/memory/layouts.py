@@ -53,7 +53,7 @@ class Layout:
     """One way to run the job: the degrees, the micro-batch (rows per rank) and micro-batches per
     step, and whether activations are recomputed."""
 
-    strategy: str  # "single_process" | "ddp" | "fsdp2"
+    strategy: str  # "ddp" | "fsdp2": the registry's names
     micro_batch: int
     accumulation: int
     activation_checkpointing: bool = False
@@ -62,8 +62,6 @@ class Layout:
     dp_replicate: int = 1
 
     def setup(self, world_size: int) -> DistributedSetup:
-        if self.strategy == "single_process":
-            return DistributedSetup.single_process()
         return DistributedSetup.build(
             self.strategy, world_size, tp_size=self.tp, cp_size=self.cp, dp_replicate_size=self.dp_replicate
         )
@@ -87,7 +85,7 @@ class Layout:
     def recipe(self, machine: Machine) -> dict[str, dict[str, Any]]:
         """The recipe keys that run this layout with ``nemo-wrap finetune`` (``nproc`` on one node;
         on several, torchrun's own flags say how many ranks)."""
-        distributed: dict[str, Any] = {"strategy": "fsdp2" if self.strategy == "single_process" else self.strategy}
+        distributed: dict[str, Any] = {"strategy": self.strategy}
         if machine.nnodes == 1:
             distributed["nproc"] = machine.nproc_per_node
         distributed.update(tp_size=self.tp, cp_size=self.cp, dp_replicate_size=self.dp_replicate)
@@ -117,11 +115,10 @@ def candidate_layouts(machine: Machine, global_batch: int) -> tuple[Layout, ...]
 
 def _degree_combinations(machine: Machine) -> list[Degrees]:
     """(strategy, tp, cp, replicas): DDP; fsdp2 with tp within a node and cp over what is left;
-    on several nodes also HSDP with one replica per node (shards within the node)."""
+    on several nodes also HSDP with one replica per node (shards within the node). One rank runs
+    what ``nemo-wrap finetune`` runs there: fsdp2 on a world of one."""
     world = machine.world_size
-    if world == 1:
-        return [("single_process", 1, 1, 1)]
-    combinations = [("ddp", 1, 1, 1)]
+    combinations = [("ddp", 1, 1, 1)] if world > 1 else []
     for tp in _divisors(world):
         if tp > machine.nproc_per_node:
             continue

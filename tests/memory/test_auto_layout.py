@@ -62,6 +62,8 @@ def test_every_candidate_trains_the_asked_rows_per_step_on_the_machine():
         ("fsdp2", 2, 2, 1),
     }
     assert sum(layout.degrees == ("fsdp2", 1, 1, 1) for layout in layouts) == 2 * 2  # micro-batch 2 or 1, AC or not
+    # one rank: what finetune runs there, fsdp2 on a world of one
+    assert {layout.degrees for layout in candidate_layouts(Machine(1, MIB), 4)} == {("fsdp2", 1, 1, 1)}
     with pytest.raises(InvalidSetupError, match="nproc_per_node"):
         Machine(nproc_per_node=0, device_memory=MIB)
 
