@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nemo_wrap.distributed.combinations import Feature
+from nemo_wrap.distributed.strategies.registry import strategy_entry
 from nemo_wrap.memory.layouts import Layout, Machine
 
 
@@ -62,7 +64,7 @@ def step_cost(layout: Layout, sizes: ModelSizes, machine: Machine, seq_len: int)
     world, per_node = machine.world_size, machine.nproc_per_node
     shards = world // (layout.tp * layout.cp * layout.dp_replicate) * layout.cp
     parts = []
-    if layout.strategy == "ddp":
+    if Feature.REPLICATED in strategy_entry(layout.strategy).traits:  # DDP
         volume = 2 * _f(world) * sizes.trainable_bytes
         parts.append(("ddp all-reduce", _seconds(volume, world > per_node, machine)))
     elif shards > 1:
