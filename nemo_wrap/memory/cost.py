@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nemo_wrap.distributed.combinations import Feature
-from nemo_wrap.distributed.strategies.registry import strategy_entry
 from nemo_wrap.memory.layouts import Layout, Machine
 
 
@@ -62,9 +61,10 @@ class StepCost:
 def step_cost(layout: Layout, sizes: ModelSizes, machine: Machine, seq_len: int) -> StepCost:
     """The layout's cost per step on ``machine`` (see the module's docstring for each term)."""
     world, per_node = machine.world_size, machine.nproc_per_node
-    shards = world // (layout.tp * layout.cp * layout.dp_replicate) * layout.cp
+    setup = layout.setup(world)
+    shards = setup.degrees.dp_shard * setup.degrees.cp  # what FSDP shards over
     parts = []
-    if Feature.REPLICATED in strategy_entry(layout.strategy).traits:  # DDP
+    if Feature.REPLICATED in setup.entry.traits:  # DDP
         volume = 2 * _f(world) * sizes.trainable_bytes
         parts.append(("ddp all-reduce", _seconds(volume, world > per_node, machine)))
     elif shards > 1:
@@ -85,7 +85,7 @@ def step_cost(layout: Layout, sizes: ModelSizes, machine: Machine, seq_len: int)
         volume = layout.accumulation * sizes.layers * (forwards + 2) * (layout.cp - 1) * keys_values
         parts.append(("cp ring", _seconds(volume, layout.cp * layout.tp > per_node, machine)))
     if layout.activation_checkpointing:
-        step_tokens = layout.micro_batch * layout.accumulation * seq_len * (world // (layout.tp * layout.cp))
+        step_tokens = layout.micro_batch * layout.accumulation * seq_len * setup.dp_size
         parts.append(("recompute", 2 * sizes.parameters * step_tokens / world / machine.flops))
     return StepCost(tuple(parts))
 

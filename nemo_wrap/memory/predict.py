@@ -1,6 +1,6 @@
 """``predict_memory``: each rank's tensor peak in one training step, known before launch.
 
-The prediction is a dry run (:mod:`.dry_run`) per rank, each in a fresh spawned process: so it
+The prediction is a dry run (:mod:`.dry_run`) per rank, each in a fresh process: so it
 works from a notebook or a ``torchrun`` script that already holds a process group, leaves no fake
 process group or fake tensor behind in the caller, and no rank's groups and meshes (which torch
 caches by name) meet another's. Ranks differ (the last one's shards are the smallest
@@ -51,8 +51,8 @@ def predict_memory(
     ``ranks`` are the ranks to dry-run (default: every rank of a job of up to
     ``SIMULATED_RANKS_LIMIT``, else the first and the last).
     Raises :class:`MemoryPredictionError` for a layout the dry run cannot trace yet, naming it.
-    The ranks run in spawned processes, which import the caller's main module: a script calling
-    this needs the usual ``if __name__ == "__main__":`` guard."""
+    The ranks run in fresh processes (forked from a server), which import the caller's main
+    module: a script calling this needs the usual ``if __name__ == "__main__":`` guard."""
     setup = DistributedSetup.given(distributed_setup)
     options = options or LoadOptions()
     shape = shape or TrainingShape()
@@ -69,10 +69,10 @@ def predict_memory(
 
 
 def _fresh_processes() -> BaseContext:
-    """Processes forked from torch's-free server that has imported the dry run (a fork of this
-    process would inherit its process group; a spawned one spends seconds importing torch and
-    transformers, which ``--auto`` pays per candidate). The server starts once per process, with
-    the preload of whoever starts it first."""
+    """Processes forked from a server that has imported the dry run and holds no process group (a
+    fork of this process would inherit its process group; a spawned one spends seconds importing
+    torch and transformers, which ``--auto`` pays per candidate). The server starts once per
+    process, with the preload of whoever starts it first."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["nemo_wrap.memory.dry_run"])
     return context
