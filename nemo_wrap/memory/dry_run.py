@@ -24,6 +24,7 @@ the memory of the communication libraries themselves; the caller states them as 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import cast
@@ -37,6 +38,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from nemo_wrap.auto.auto_model import dry_run_pipeline
 from nemo_wrap.distributed.collectives import collective_device
 from nemo_wrap.distributed.combinations import Feature
+from nemo_wrap.distributed.modules import decoder_layers
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import MemoryPredictionError
 from nemo_wrap.loading.model_state import HasModelState
@@ -44,6 +46,7 @@ from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import Step
 from nemo_wrap.loading.provenance import LoadReport
 from nemo_wrap.memory.cost import ModelSizes
+from nemo_wrap.memory.layer_sampling import LayerSampling, layers_alike, sample_layers, with_depth
 from nemo_wrap.memory.prediction import MemoryCategory, RankMemory, TrainingShape
 from nemo_wrap.memory.tracking import second_step_peak
 from nemo_wrap.training.step import step_with_label_count
@@ -68,9 +71,11 @@ def simulate_rank(
     options: LoadOptions,
     shape: TrainingShape,
     rank: int,
+    depth: int,
 ) -> RankMemory:
-    """The predicted peak of ``rank``, by a dry run in this process, which must hold no process
-    group (it creates a fake one, and destroys it). DDP's replica is traced as one process
+    """The predicted peak of ``rank`` for the model cut to ``depth`` decoder layers (see
+    :mod:`.layer_sampling`), by a dry run in this process, which must hold no process group (it
+    creates a fake one, and destroys it). DDP's replica is traced as one process
     (torch's ``replicate`` reads storage as it wraps, and fake tensors have none), plus the
     gradient buckets its reducer allocates once and keeps: as large as the trainable parameters
     (measured: the whole difference between a DDP rank's peak and one process's)."""
@@ -81,7 +86,7 @@ def simulate_rank(
     try:
         with warnings.catch_warnings():  # torch's warnings about the dry run's own use of FSDP and meshes
             warnings.simplefilter("ignore")
-            model, peak, breakdown = _dry_run(path_or_config, traced, options, shape, setup.dp_size)
+            model, peak, breakdown = _dry_run(path_or_config, traced, options, shape, setup.dp_size, depth)
     finally:
         if traced.is_collective:
             dist.destroy_process_group()
@@ -95,9 +100,13 @@ def _dry_run(
     options: LoadOptions,
     shape: TrainingShape,
     dp_size: int,
+    depth: int,
 ) -> tuple[PreTrainedModel, int, tuple[tuple[MemoryCategory, int], ...]]:
-    """The model built, sharded and materialized on fake tensors, and its step's peak."""
+    """The model cut to ``depth`` layers, built, sharded and materialized on fake tensors, and its
+    step's peak. The plan is the full model's: only what is built is cut."""
     pipeline = dry_run_pipeline(path_or_config, setup, options)  # config and headers: real reads
+    if depth != pipeline.config.num_hidden_layers:
+        pipeline = dataclasses.replace(pipeline, config=with_depth(pipeline.config, depth))
     # on the meta device, as in a real load; meshes and groups are made of real rank tensors
     model = pipeline.perform(_steps_before_materializing(pipeline.plan.steps))
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -133,11 +142,15 @@ def _step_peak(
     return by_kind["Total"], breakdown
 
 
+def layer_sampling(path_or_config: str | Path | PretrainedConfig, options: LoadOptions) -> LayerSampling:
+    """Which depths the dry runs trace, decided on the model as one process builds it on meta."""
+    model = _model_on_meta(path_or_config, options)
+    return sample_layers(model.config.num_hidden_layers, layers_alike(decoder_layers(model), model.config))
+
+
 def model_sizes(path_or_config: str | Path | PretrainedConfig, options: LoadOptions) -> ModelSizes:
-    """The sizes the cost model charges for, from the model as one process builds it on the meta
-    device with ``options`` (its adapters and precision included): no storage, no process group."""
-    pipeline = dry_run_pipeline(path_or_config, DistributedSetup.single_process(), options)
-    model = pipeline.perform(_steps_before_materializing(pipeline.plan.steps))
+    """The sizes the cost model charges for, from the model as one process builds it on meta."""
+    model = _model_on_meta(path_or_config, options)
     parameters = list(model.parameters())
     config = model.config
     heads = config.num_attention_heads
@@ -151,6 +164,13 @@ def model_sizes(path_or_config: str | Path | PretrainedConfig, options: LoadOpti
         layers=config.num_hidden_layers,
         activation_bytes=max(p.element_size() for p in parameters if p.is_floating_point()),
     )
+
+
+def _model_on_meta(path_or_config: str | Path | PretrainedConfig, options: LoadOptions) -> PreTrainedModel:
+    """The model one process would load with ``options`` (its adapters and precision included), on
+    the meta device: no storage, no process group."""
+    pipeline = dry_run_pipeline(path_or_config, DistributedSetup.single_process(), options)
+    return pipeline.perform(_steps_before_materializing(pipeline.plan.steps))
 
 
 def _steps_before_materializing(steps: tuple[Step, ...]) -> tuple[Step, ...]:

@@ -3,7 +3,8 @@
 The prediction is a dry run (:mod:`.dry_run`) per rank, each in a fresh process: so it
 works from a notebook or a ``torchrun`` script that already holds a process group, leaves no fake
 process group or fake tensor behind in the caller, and no rank's groups and meshes (which torch
-caches by name) meet another's. Ranks differ (the last one's shards are the smallest
+caches by name) meet another's. A deep model of alike layers is dry-run at depths one and two, and
+predicted by a line through them (:mod:`.layer_sampling`). Ranks differ (the last one's shards are the smallest
 when a dimension does not divide; pipeline stages hold different layers): jobs of up to
 ``SIMULATED_RANKS_LIMIT`` ranks simulate every rank, larger ones the first and the last.
 """
@@ -23,7 +24,7 @@ from nemo_wrap.distributed.combinations import Feature
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import InvalidSetupError, MemoryPredictionError
 from nemo_wrap.loading.options import LoadOptions
-from nemo_wrap.memory.dry_run import simulate_rank
+from nemo_wrap.memory.dry_run import layer_sampling, simulate_rank
 from nemo_wrap.memory.prediction import MemoryPrediction, TrainingShape
 
 SIMULATED_RANKS_LIMIT = 8
@@ -60,12 +61,16 @@ def predict_memory(
     ranks = _ranks(setup.world_size) if ranks is None else tuple(ranks)
     if not ranks or any(not 0 <= rank < setup.world_size for rank in ranks):
         raise InvalidSetupError(f"predict_memory: ranks {ranks} are not ranks of a world of {setup.world_size}")
+    sampling = layer_sampling(path_or_config, options)
     fresh_setup = dataclasses.replace(setup)  # without this process's mesh: it pickles
-    # a fresh process per rank: torch caches process groups and meshes by name, per process
-    workers = min(len(ranks), os.cpu_count() or 1)
+    runs = [(path_or_config, fresh_setup, options, shape, r, depth) for r in ranks for depth in sampling.traced_depths]
+    # a fresh process per run: torch caches process groups and meshes by name, per process
+    workers = min(len(runs), os.cpu_count() or 1)
     with _fresh_processes().Pool(workers, maxtasksperchild=1) as pool:
-        per_rank = pool.starmap(simulate_rank, [(path_or_config, fresh_setup, options, shape, r) for r in ranks])
-    return MemoryPrediction(shape, tuple(per_rank), device_memory, NOT_COUNTED)
+        traced = pool.starmap(simulate_rank, runs)
+    depths = len(sampling.traced_depths)
+    per_rank = [sampling.combine(traced[i : i + depths]) for i in range(0, len(traced), depths)]
+    return MemoryPrediction(shape, tuple(per_rank), device_memory, NOT_COUNTED, sampling.describe())
 
 
 def _fresh_processes() -> BaseContext:

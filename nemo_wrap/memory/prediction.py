@@ -80,6 +80,7 @@ class MemoryPrediction:
     per_rank: tuple[RankMemory, ...]
     device_memory: int | None = None  # bytes per device, when asked whether it fits
     not_counted: tuple[str, ...] = ()
+    traced: str = ""  # how the dry run covered the layers (:mod:`.layer_sampling`)
 
     @property
     def peak_bytes(self) -> int:
@@ -91,6 +92,8 @@ class MemoryPrediction:
 
     def __str__(self) -> str:
         lines = [f"memory per rank (predicted tensor peak, one training step: {self.shape.describe()}):"]
+        if self.traced:
+            lines.append(f"  dry run: {self.traced}")
         lines += [f"  {rank.describe()}" for rank in self.per_rank]
         if self.device_memory is not None:
             margin = (self.device_memory - self.peak_bytes) / _MIB
@@ -106,7 +109,13 @@ class MemoryPrediction:
             for r in self.per_rank
         ]
         shape = dataclasses.asdict(self.shape)
-        return {"per_rank": per_rank, "shape": shape, "device_memory": self.device_memory, "fits": self.fits}
+        return {
+            "per_rank": per_rank,
+            "shape": shape,
+            "device_memory": self.device_memory,
+            "fits": self.fits,
+            "traced": self.traced,
+        }
 
 
 def parse_bytes(text: str, argument: str = "device memory") -> int:

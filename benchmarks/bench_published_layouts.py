@@ -1,0 +1,315 @@
+"""On paper, at real scale: the layouts torchtitan and NeMo Automodel publish as working for five
+models, predicted per GPU from the models' configs alone (no weights), against 80 GiB devices.
+
+Each row is one published layout: the project's file, the hardware it names, its degrees, rows per
+GPU, sequence length, activation checkpointing and precision, as the file states them (the
+projects' defaults where the file is silent). Where the published layout checkpoints selected ops
+only (torchtitan's ``selective``), both bounds are predicted: no checkpointing (above it) and every
+layer recomputed (below it). float8 layouts are predicted in bf16 (more memory, never less). Layouts
+with pipeline or expert parallelism are listed as not yet predicted: the dry run refuses them.
+Run: ``python -m benchmarks.bench_published_layouts`` (about 20 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.common import Table
+
+GIB = 2**30
+DEVICE = 80 * GIB
+TT = "https://github.com/pytorch/torchtitan/blob/238fa9953e4aec2a62582121564273d7cbb1e9f1/"
+TT_NEW = "https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/"
+AM = "https://github.com/NVIDIA-NeMo/Automodel/blob/36044ad3d139363fb6c73c24af2e7c6b65ec52f6/"
+
+
+def _llama(hidden: int, intermediate: int, layers: int, heads: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
+
+
+def _qwen3_30b_a3b() -> Any:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        num_experts=128,
+        num_experts_per_tok=8,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    )
+
+
+MODELS = {
+    "Llama-3-8B": lambda: _llama(4096, 14336, 32, 32),
+    "Llama-3-70B": lambda: _llama(8192, 28672, 80, 64),
+    "Llama-3.1-405B": lambda: _llama(16384, 53248, 126, 128),
+    "Qwen3-30B-A3B": _qwen3_30b_a3b,
+}
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published layout, as its file states it."""
+
+    model: str
+    source: str  # the project and its file, as a markdown link
+    hardware: str  # as the source names it
+    gpus: int
+    tp: int
+    cp: int
+    rows: int  # per GPU per micro-batch
+    seq_len: int
+    checkpointing: str  # none | selective | full
+    precision: str  # bf16-mixed | bf16
+    lora_rank: int = 0
+
+    def setup(self) -> Any:
+        from nemo_wrap import DistributedSetup
+
+        if self.gpus == 1:
+            return DistributedSetup.single_process()
+        return DistributedSetup.build("fsdp2", self.gpus, tp_size=self.tp, cp_size=self.cp)
+
+    def degrees(self) -> str:
+        parts = [f"fsdp {self.gpus // (self.tp * self.cp)}"] if self.gpus > 1 else ["one GPU"]
+        parts += [f"tp {self.tp}"] * (self.tp > 1) + [f"cp {self.cp}"] * (self.cp > 1)
+        return " × ".join(parts)
+
+    def options(self) -> Any:
+        from peft import LoraConfig
+
+        from nemo_wrap.loading.options import LoadOptions
+
+        lora = LoraConfig(r=self.lora_rank, lora_alpha=2 * self.lora_rank, target_modules=r".*_proj")
+        return LoadOptions(precision=self.precision, peft_config=lora if self.lora_rank else None)
+
+
+def _link(label: str, base: str, path: str) -> str:
+    return f"[{label}]({base}{path})"
+
+
+PUBLISHED = [
+    Published(
+        "Llama-3-8B",
+        _link("torchtitan `llama3_8b.toml`", TT, "torchtitan/models/llama3/train_configs/llama3_8b.toml"),
+        "64 A100",
+        64,
+        1,
+        1,
+        1,
+        8192,
+        "selective",
+        "bf16-mixed",
+    ),
+    Published(
+        "Llama-3-8B",
+        _link("torchtitan benchmark, table 1", TT_NEW, "benchmarks/llama3_h100_202412_torchtitan.md"),
+        "8 H100 96 GB",
+        8,
+        1,
+        1,
+        2,
+        8192,
+        "selective",
+        "bf16-mixed",
+    ),
+    Published(
+        "Llama-3-8B",
+        _link(
+            "Automodel full SFT, tp",
+            AM,
+            "examples/llm_finetune/llama3_1/customizer_llama_3_1_8b_full_sft_tp.yaml",
+        ),
+        "8 GPUs",
+        8,
+        2,
+        1,
+        1,
+        2048,
+        "none",
+        "bf16",
+    ),
+    Published(
+        "Llama-3-8B",
+        _link("Automodel LoRA benchmark", AM, "examples/llm_benchmark/llama3_1/llama3_1_8b_peft_benchmark.yaml"),
+        "1 H100",
+        1,
+        1,
+        1,
+        2,
+        4096,
+        "none",
+        "bf16",
+        lora_rank=16,
+    ),
+    Published(
+        "Llama-3-70B",
+        _link("torchtitan `llama3_70b.toml`", TT, "torchtitan/models/llama3/train_configs/llama3_70b.toml"),
+        "64 A100",
+        64,
+        8,
+        1,
+        8,
+        8192,
+        "full",
+        "bf16-mixed",
+    ),
+    Published(
+        "Llama-3-70B",
+        _link(
+            "Automodel pretrain benchmark, 8 nodes",
+            AM,
+            "examples/llm_benchmark/llama3_3/custom_llama3_1_70b_pretrain_benchmark_8nodes.yaml",
+        ),
+        "64 H100",
+        64,
+        1,
+        2,
+        1,
+        8192,
+        "full",
+        "bf16-mixed",
+    ),
+    Published(
+        "Llama-3-70B",
+        _link(
+            "Automodel LoRA benchmark",
+            AM,
+            "examples/llm_benchmark/llama3_3/custom_llama3_3_70b_instruct_peft_benchmark.yaml",
+        ),
+        "8 H100",
+        8,
+        2,
+        1,
+        2,
+        4096,
+        "full",
+        "bf16",
+        lora_rank=16,
+    ),
+    Published(
+        "Llama-3-70B",
+        _link(
+            "Automodel LoRA benchmark, 2 nodes",
+            AM,
+            "examples/llm_benchmark/llama3_3/custom_llama3_3_70b_instruct_peft_benchmark_2nodes.yaml",
+        ),
+        "16 H100",
+        16,
+        2,
+        1,
+        2,
+        4096,
+        "full",
+        "bf16",
+        lora_rank=16,
+    ),
+    Published(
+        "Llama-3.1-405B",
+        _link("torchtitan `llama3_405b.toml` (float8)", TT, "torchtitan/models/llama3/train_configs/llama3_405b.toml"),
+        "128 H100",
+        128,
+        8,
+        1,
+        2,
+        8192,
+        "full",
+        "bf16-mixed",
+    ),
+    Published(
+        "Qwen3-30B-A3B",
+        _link("torchtitan `qwen3_30b_a3b`", TT_NEW, "torchtitan/models/qwen3/config_registry.py"),
+        "not named: 8 GPUs",
+        8,
+        1,
+        1,
+        2,
+        4096,
+        "full",
+        "bf16-mixed",
+    ),
+    Published(
+        "Qwen3-30B-A3B",
+        _link("torchtitan `qwen3_30b_a3b`", TT_NEW, "torchtitan/models/qwen3/config_registry.py"),
+        "not named: 64 GPUs",
+        64,
+        1,
+        1,
+        2,
+        4096,
+        "full",
+        "bf16-mixed",
+    ),
+]
+
+NOT_YET = [
+    ("Llama-3.1-405B", "torchtitan benchmark, table 5: 512 H100, fsdp 8 × tp 8 × pp 8", "pipeline parallel"),
+    ("Llama-3-70B", "Automodel `llama3_70b_pretrain.yaml`: 32 GPUs, dp 2 × tp 4 × pp 4", "pipeline parallel"),
+    ("Mixtral-8x7B", "Automodel `mixtral-8x7b-v0-1_squad.yaml`: 32 GPUs, dp 4 × pp 8", "pipeline parallel"),
+    ("Mixtral-8x7B", "NeMo `mixtral_8x7b.py`: 64 GPUs, pp 4 × ep 8", "pipeline and expert parallel"),
+    ("Qwen3-30B-A3B", "Automodel `qwen3_moe_30b_te_deepep.yaml`: 8 H100, fsdp 8 × ep 8", "expert parallel"),
+]
+
+
+def _peak(layout: Published, recompute: bool) -> int:
+    from nemo_wrap.memory import TrainingShape, predict_memory
+
+    shape = TrainingShape(layout.rows, layout.seq_len, activation_checkpointing=recompute)
+    return predict_memory(MODELS[layout.model](), layout.setup(), shape, layout.options()).peak_bytes
+
+
+def _predicted(layout: Published) -> str:
+    """The predicted peak per GPU, as bounds where the layout checkpoints selected ops only."""
+    if layout.checkpointing != "selective":
+        peak = _peak(layout, layout.checkpointing == "full")
+        return f"{peak / GIB:.1f} ({'fits' if peak <= DEVICE else 'over'})"
+    above, below = _peak(layout, False), _peak(layout, True)
+    verdict = "fits" if above <= DEVICE else ("fits recomputed" if below <= DEVICE else "over")
+    return f"{below / GIB:.1f} – {above / GIB:.1f} ({verdict})"
+
+
+def table() -> Table:
+    result = Table(
+        "Published layout",
+        ["model", "hardware", "degrees", "rows × tokens", "checkpointing", "precision", "predicted GiB per GPU"],
+    )
+    for layout in PUBLISHED:
+        tokens = f"{layout.rows} × {layout.seq_len}"
+        lora = f", LoRA r {layout.lora_rank}" if layout.lora_rank else ""
+        predicted = _predicted(layout)
+        print(layout.model, layout.degrees(), predicted, flush=True)
+        cells = [layout.model, layout.hardware, layout.degrees(), tokens, layout.checkpointing]
+        result.rows.append([layout.source, *cells, layout.precision + lora, predicted])
+    result.rows += [[source, model, "", "", "", "", "", f"not predicted yet: {why}"] for model, source, why in NOT_YET]
+    result.note = (
+        "Predicted: `predict_memory` on the model's config (no weights), the first and last rank, the peak of the "
+        "higher; 80 GiB a GPU. `selective`: torchtitan checkpoints selected ops; the bounds are no checkpointing "
+        "(above) and every layer recomputed (below). Precision `bf16-mixed`: fp32 parameters and AdamW state, bf16 "
+        "compute (torchtitan's default); `bf16`: bf16 parameters and state (Automodel's `torch_dtype: bfloat16` "
+        "with Adam). Deep models are dry-run at depths 2 and 3 and extrapolated (docs/memory.md)."
+    )
+    return result
+
+
+if __name__ == "__main__":
+    print(table().markdown())

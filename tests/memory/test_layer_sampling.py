@@ -1,0 +1,111 @@
+"""A deep model predicted from dry runs of two and three of its layers: the decision, the line, which
+layers count as alike, and the sampled prediction against the whole trace and the measured peak."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3MoeConfig
+
+from nemo_wrap import DistributedSetup, TrainingShape, predict_memory
+from nemo_wrap.distributed.modules import decoder_layers
+from nemo_wrap.errors import MemoryPredictionError
+from nemo_wrap.loading.options import LoadOptions
+from nemo_wrap.memory import MemoryCategory, RankMemory
+from nemo_wrap.memory.dry_run import layer_sampling
+from nemo_wrap.memory.layer_sampling import (
+    SAMPLED_DEPTHS,
+    TRACED_WHOLE_UP_TO,
+    LayerSampling,
+    layers_alike,
+    sample_layers,
+    with_depth,
+)
+from tests.memory.test_predict_memory import TOLERANCE, case_measured_peak
+
+DEEP = 12
+
+
+def _llama(layers: int = DEEP) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
+
+
+@pytest.mark.parametrize("layers", range(1, 2 * TRACED_WHOLE_UP_TO))
+@pytest.mark.parametrize("alike", [True, False])
+def test_the_decision_samples_only_many_alike_layers(layers, alike):
+    sampling = sample_layers(layers, alike)
+    sampled = alike and layers > TRACED_WHOLE_UP_TO
+    assert sampling.traced_depths == (SAMPLED_DEPTHS if sampled else (layers,))
+    assert sampling.extrapolates is sampled
+
+
+def test_the_line_through_two_depths_gives_every_category_at_full_depth():
+    def traced(depth: int) -> RankMemory:  # a rank whose peak grows 10 parameters and 3 activations a layer
+        parts = ((MemoryCategory.PARAMETERS, 100 + 10 * depth), (MemoryCategory.ACTIVATIONS, 50 + 3 * depth))
+        return RankMemory(1, sum(size for _, size in parts), parts)
+
+    sampling = LayerSampling(40, (2, 3))
+    assert sampling.combine([traced(2), traced(3)]) == traced(40)
+    assert LayerSampling(3, (3,)).combine([traced(3)]) == traced(3)
+    with pytest.raises(MemoryPredictionError):
+        sampling.combine([traced(2), RankMemory(0, 1, ())])
+
+
+def _alike(config: PretrainedConfig) -> bool:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return layers_alike(decoder_layers(model), config)
+
+
+def test_layers_differing_in_structure_or_in_the_configs_per_layer_lists_are_not_alike():
+    assert _alike(_llama())
+    small: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+    small |= {"num_key_value_heads": 2, "vocab_size": 256, "num_hidden_layers": 10}
+    moe = small | {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
+    assert _alike(Qwen3MoeConfig(**moe))
+    assert not _alike(Qwen3MoeConfig(**moe, mlp_only_layers=[0]))  # a dense first layer
+    # full attention on four layers, sliding windows on the rest
+    assert not _alike(Qwen2Config(**small, use_sliding_window=True, max_window_layers=4))
+
+
+def test_a_config_cut_to_a_depth_cuts_its_per_layer_lists_and_leaves_the_original():
+    config = Qwen2Config(num_hidden_layers=10, layer_types=["full_attention"] * 10)
+    cut = with_depth(config, 3)
+    assert (cut.num_hidden_layers, cut.layer_types) == (3, ["full_attention"] * 3)
+    assert (config.num_hidden_layers, len(config.layer_types)) == (10, 10)
+
+
+def test_a_deep_model_is_sampled_and_a_shallow_one_traced_whole():
+    assert layer_sampling(_llama(), _options()).traced_depths == SAMPLED_DEPTHS
+    assert layer_sampling(_llama(TRACED_WHOLE_UP_TO), _options()).traced_depths == (TRACED_WHOLE_UP_TO,)
+
+
+def _options() -> LoadOptions:
+    return LoadOptions(seed=0)
+
+
+def test_the_sampled_prediction_equals_the_whole_trace_on_fsdp2(monkeypatch):
+    """Two ranks of fsdp2, no checkpointing: one moment (the loss) holds the peak at every depth."""
+    setup, shape = DistributedSetup.build("fsdp2", 2), TrainingShape(batch_size=2, seq_len=128)
+    sampled = predict_memory(_llama(), setup, shape)
+    monkeypatch.setattr("nemo_wrap.memory.layer_sampling.TRACED_WHOLE_UP_TO", DEEP)
+    whole = predict_memory(_llama(), setup, shape)
+    assert "traced 4 and 5 of 12" in sampled.traced and "all 12" in whole.traced
+    assert [r.peak_bytes for r in sampled.per_rank] == [r.peak_bytes for r in whole.per_rank]
+
+
+def test_the_sampled_prediction_of_one_process_matches_the_measured_peak(monkeypatch):
+    shape = TrainingShape(batch_size=2, seq_len=128)
+    predicted = predict_memory(_llama(), DistributedSetup.single_process(), shape).peak_bytes
+    monkeypatch.setattr("tests.memory.test_predict_memory._config", lambda tied: _llama())
+    measured = case_measured_peak(False, "one", 1, shape)
+    assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)
