@@ -7,7 +7,7 @@ re-runs some (names below) and keeps the others' latest tables; ``--readme`` als
 ``benchmarks:start`` / ``benchmarks:end`` marks.
 Each benchmark runs its measurements in fresh processes; the whole suite takes about 35 minutes
 on a 2-core machine (the three QLoRA tables about 14 of them), plus about 12 for ``peer``, 3 for
-``verify`` and 5 for ``default_precision``.
+``verify``, 5 for ``default_precision`` and 45 for ``published_layouts``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from benchmarks import (
     bench_peer,
     bench_pipeline,
     bench_precision,
+    bench_published_layouts,
     bench_qlora,
     bench_training_step,
     bench_verify,
@@ -69,6 +70,7 @@ SUITE: dict[str, Callable[[], Table]] = {
     "async_save": bench_async_save.table,
     "memory": bench_memory.table,
     "auto_layout": bench_auto_layout.table,
+    "published_layouts": bench_published_layouts.table,
 }
 
 

@@ -2,9 +2,10 @@
 (``predict_memory``, a dry run on fake tensors) beside the peak torch's ``MemTracker`` measures in
 the same step run for real (fresh torchrun jobs on gloo ranks, the second of two steps).
 
-Models: a 30M-class Llama (4 layers, hidden 512, vocabulary 8,192), untied and tied. Layouts: one
-process, ddp, fsdp2, tp, fsdp × tp, HSDP, cp and cp × fsdp; 256 to 8,192 tokens a row; activation
-checkpointing on and off. Goal: every rank within ±10%.
+Models: a 30M-class Llama (4 layers, hidden 512, vocabulary 8,192), untied, tied and with LoRA
+adapters, and a Qwen3-MoE of the same dimensions (8 experts, 2 a token). Layouts: one process, ddp,
+fsdp2, tp, fsdp × tp, HSDP, cp and cp × fsdp; 256 to 8,192 tokens a row; activation checkpointing
+on and off. Goal: every rank within ±10%.
 Run: ``python -m benchmarks.bench_memory``.
 """
 
@@ -20,9 +21,9 @@ MODULE = "benchmarks.bench_memory"
 
 @dataclass(frozen=True)
 class Case:
-    """One configuration: the model (tied or not), the layout and the step's shape."""
+    """One configuration: the model, the layout and the step's shape."""
 
-    tied: bool
+    model: str  # untied | tied | moe | lora (the untied Llama with LoRA adapters)
     layout: str  # one | ddp | fsdp2 | tp | fsdp_tp | hsdp | cp | cp_dp
     rows: int
     tokens: int
@@ -33,41 +34,50 @@ class Case:
         return {"one": 1, "fsdp_tp": 4, "hsdp": 4, "cp_dp": 4}.get(self.layout, 2)
 
     def label(self) -> str:
-        model = "tied" if self.tied else "untied"
         recomputed = ", recomputed" if self.recompute else ""
-        return f"{model}, {self.layout} × {self.ranks}, {self.rows} × {self.tokens} tokens{recomputed}"
+        return f"{self.model}, {self.layout} × {self.ranks}, {self.rows} × {self.tokens} tokens{recomputed}"
 
 
 CASES = {
     f"case{number}": case
     for number, case in enumerate(
         [
-            Case(False, "one", 4, 256),
-            Case(True, "one", 4, 1024),
-            Case(False, "one", 2, 4096, recompute=True),
-            Case(True, "one", 1, 8192, recompute=True),
-            Case(False, "ddp", 4, 256),
-            Case(True, "ddp", 4, 1024),
-            Case(False, "ddp", 4, 1024, recompute=True),
-            Case(False, "fsdp2", 4, 256),
-            Case(True, "fsdp2", 4, 256),
-            Case(False, "fsdp2", 4, 1024),
-            Case(True, "fsdp2", 1, 4096),
-            Case(False, "fsdp2", 4, 1024, recompute=True),
-            Case(False, "fsdp2", 1, 8192, recompute=True),
-            Case(True, "fsdp2", 2, 2048),
-            Case(False, "tp", 4, 256),
-            Case(True, "tp", 4, 1024),
-            Case(False, "tp", 4, 1024, recompute=True),
-            Case(False, "tp", 1, 4096),
-            Case(False, "fsdp_tp", 4, 256),
-            Case(True, "fsdp_tp", 4, 1024),
-            Case(False, "fsdp_tp", 4, 1024, recompute=True),
-            Case(False, "hsdp", 4, 256),
-            Case(True, "hsdp", 4, 1024),
-            Case(False, "hsdp", 4, 1024, recompute=True),
-            Case(False, "cp", 2, 2048),
-            Case(True, "cp_dp", 2, 1024),
+            Case("untied", "one", 4, 256),
+            Case("tied", "one", 4, 1024),
+            Case("untied", "one", 2, 4096, recompute=True),
+            Case("tied", "one", 1, 8192, recompute=True),
+            Case("untied", "ddp", 4, 256),
+            Case("tied", "ddp", 4, 1024),
+            Case("untied", "ddp", 4, 1024, recompute=True),
+            Case("untied", "fsdp2", 4, 256),
+            Case("tied", "fsdp2", 4, 256),
+            Case("untied", "fsdp2", 4, 1024),
+            Case("tied", "fsdp2", 1, 4096),
+            Case("untied", "fsdp2", 4, 1024, recompute=True),
+            Case("untied", "fsdp2", 1, 8192, recompute=True),
+            Case("tied", "fsdp2", 2, 2048),
+            Case("untied", "tp", 4, 256),
+            Case("tied", "tp", 4, 1024),
+            Case("untied", "tp", 4, 1024, recompute=True),
+            Case("untied", "tp", 1, 4096),
+            Case("untied", "fsdp_tp", 4, 256),
+            Case("tied", "fsdp_tp", 4, 1024),
+            Case("untied", "fsdp_tp", 4, 1024, recompute=True),
+            Case("untied", "hsdp", 4, 256),
+            Case("tied", "hsdp", 4, 1024),
+            Case("untied", "hsdp", 4, 1024, recompute=True),
+            Case("untied", "cp", 2, 2048),
+            Case("tied", "cp_dp", 2, 1024),
+            Case("moe", "one", 4, 512),
+            Case("moe", "fsdp2", 4, 1024),
+            Case("moe", "fsdp2", 2, 2048, recompute=True),
+            Case("moe", "tp", 4, 512),
+            Case("moe", "fsdp_tp", 2, 1024),
+            Case("lora", "one", 4, 1024),
+            Case("lora", "ddp", 4, 512),
+            Case("lora", "fsdp2", 4, 1024),
+            Case("lora", "fsdp2", 2, 4096, recompute=True),
+            Case("lora", "fsdp_tp", 4, 512),
         ],
         1,
     )
@@ -87,6 +97,38 @@ def llama_30m(tied: bool) -> Any:
         num_key_value_heads=4,
         tie_word_embeddings=tied,
     )
+
+
+def moe_30m() -> Any:
+    """A Qwen3-MoE of the 30M Llama's dimensions: 8 experts of width 512, 2 a token."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1376,
+        moe_intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
+
+
+def _config(case: Case) -> Any:
+    return moe_30m() if case.model == "moe" else llama_30m(case.model == "tied")
+
+
+def _options(case: Case) -> Any:
+    from peft import LoraConfig
+
+    from nemo_wrap.loading.options import LoadOptions
+
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear") if case.model == "lora" else None
+    return LoadOptions(seed=0, peft_config=lora)
 
 
 def _setup(case: Case) -> Any:
@@ -123,7 +165,7 @@ def measure(kind: str) -> dict[str, Any]:
     case = CASES[kind]
     if case.ranks > 1:
         initialize_distributed()
-    model = NeMoAutoModelForCausalLM.from_config(llama_30m(case.tied), _setup(case), seed=0)
+    model = NeMoAutoModelForCausalLM.from_config(_config(case), _setup(case), options=_options(case))
     if case.recompute:
         model.activation_checkpointing_enable()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -144,7 +186,8 @@ def table() -> Table:
     worst = 0.0
     for kind, case in CASES.items():
         predicted = [
-            rank.peak_bytes for rank in predict_memory(llama_30m(case.tied), _setup(case), _shape(case)).per_rank
+            rank.peak_bytes
+            for rank in predict_memory(_config(case), _setup(case), _shape(case), _options(case)).per_rank
         ]
         measured = [row["peak"] for row in run_measure(MODULE, kind, case.ranks)]
         ratios = [p / m for p, m in zip(predicted, measured, strict=True)]

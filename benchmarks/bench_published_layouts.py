@@ -1,5 +1,5 @@
 """On paper, at real scale: the layouts torchtitan and NeMo Automodel publish as working for five
-models, predicted per GPU from the models' configs alone (no weights), against 80 GiB devices.
+models, predicted per GPU from the models' configs alone (no weights), against the GPUs they name.
 
 Each row is one published layout: the project's file, the hardware it names, its degrees, rows per
 GPU, sequence length, activation checkpointing and precision, as the file states them (the
@@ -7,18 +7,18 @@ projects' defaults where the file is silent). Where the published layout checkpo
 only (torchtitan's ``selective``), both bounds are predicted: no checkpointing (above it) and every
 layer recomputed (below it). float8 layouts are predicted in bf16 (more memory, never less). Layouts
 with pipeline or expert parallelism are listed as not yet predicted: the dry run refuses them.
-Run: ``python -m benchmarks.bench_published_layouts`` (about 20 minutes on 2 cores).
+Run: ``python -m benchmarks --only published_layouts`` (about 45 minutes on 2 cores).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.common import Table
 
 GIB = 2**30
-DEVICE = 80 * GIB
 TT = "https://github.com/pytorch/torchtitan/blob/238fa9953e4aec2a62582121564273d7cbb1e9f1/"
 TT_NEW = "https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/"
 AM = "https://github.com/NVIDIA-NeMo/Automodel/blob/36044ad3d139363fb6c73c24af2e7c6b65ec52f6/"
@@ -82,6 +82,7 @@ class Published:
     checkpointing: str  # none | selective | full
     precision: str  # bf16-mixed | bf16
     lora_rank: int = 0
+    device_gib: int = 80  # the named GPU's memory; 80 GB where the source does not say
 
     def setup(self) -> Any:
         from nemo_wrap import DistributedSetup
@@ -132,6 +133,7 @@ PUBLISHED = [
         8192,
         "selective",
         "bf16-mixed",
+        device_gib=96,
     ),
     Published(
         "Llama-3-8B",
@@ -275,16 +277,18 @@ def _peak(layout: Published, recompute: bool) -> int:
     from nemo_wrap.memory import TrainingShape, predict_memory
 
     shape = TrainingShape(layout.rows, layout.seq_len, activation_checkpointing=recompute)
-    return predict_memory(MODELS[layout.model](), layout.setup(), shape, layout.options()).peak_bytes
+    ranks = sorted({0, layout.gpus - 1})  # the last rank's shards are the smallest where sizes do not divide
+    return predict_memory(MODELS[layout.model](), layout.setup(), shape, layout.options(), ranks=ranks).peak_bytes
 
 
 def _predicted(layout: Published) -> str:
     """The predicted peak per GPU, as bounds where the layout checkpoints selected ops only."""
+    device = layout.device_gib * GIB
     if layout.checkpointing != "selective":
         peak = _peak(layout, layout.checkpointing == "full")
-        return f"{peak / GIB:.1f} ({'fits' if peak <= DEVICE else 'over'})"
+        return f"{peak / GIB:.1f} ({'fits' if peak <= device else 'over'})"
     above, below = _peak(layout, False), _peak(layout, True)
-    verdict = "fits" if above <= DEVICE else ("fits recomputed" if below <= DEVICE else "over")
+    verdict = "fits" if above <= device else ("fits recomputed" if below <= device else "over")
     return f"{below / GIB:.1f} – {above / GIB:.1f} ({verdict})"
 
 
@@ -296,17 +300,20 @@ def table() -> Table:
     for layout in PUBLISHED:
         tokens = f"{layout.rows} × {layout.seq_len}"
         lora = f", LoRA r {layout.lora_rank}" if layout.lora_rank else ""
+        started = time.perf_counter()
         predicted = _predicted(layout)
-        print(layout.model, layout.degrees(), predicted, flush=True)
+        print(layout.model, layout.degrees(), predicted, f"{time.perf_counter() - started:.0f} s", flush=True)
         cells = [layout.model, layout.hardware, layout.degrees(), tokens, layout.checkpointing]
         result.rows.append([layout.source, *cells, layout.precision + lora, predicted])
     result.rows += [[source, model, "", "", "", "", "", f"not predicted yet: {why}"] for model, source, why in NOT_YET]
     result.note = (
         "Predicted: `predict_memory` on the model's config (no weights), the first and last rank, the peak of the "
-        "higher; 80 GiB a GPU. `selective`: torchtitan checkpoints selected ops; the bounds are no checkpointing "
-        "(above) and every layer recomputed (below). Precision `bf16-mixed`: fp32 parameters and AdamW state, bf16 "
-        "compute (torchtitan's default); `bf16`: bf16 parameters and state (Automodel's `torch_dtype: bfloat16` "
-        "with Adam). Deep models are dry-run at depths 2 and 3 and extrapolated (docs/memory.md)."
+        "higher; against the named GPU's memory, 80 GiB where the source names none. `selective`: torchtitan "
+        "checkpoints selected ops; the bounds are no checkpointing (above) and every layer recomputed (below). "
+        "Precision `bf16-mixed`: fp32 parameters and AdamW state, bf16 compute (torchtitan's default); `bf16`: bf16 "
+        "parameters and state (Automodel's `torch_dtype: bfloat16` with Adam). Deep models are dry-run at depths 4 "
+        "and 5 and extrapolated (docs/memory.md). Tensor parallel is nemo_wrap's, without sequence parallel: the "
+        "layer inputs that checkpointing keeps are whole on every tensor-parallel rank."
     )
     return result
 

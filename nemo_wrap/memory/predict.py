@@ -3,7 +3,7 @@
 The prediction is a dry run (:mod:`.dry_run`) per rank, each in a fresh process: so it
 works from a notebook or a ``torchrun`` script that already holds a process group, leaves no fake
 process group or fake tensor behind in the caller, and no rank's groups and meshes (which torch
-caches by name) meet another's. A deep model of alike layers is dry-run at depths one and two, and
+caches by name) meet another's. A deep model of alike layers is dry-run at two small depths and
 predicted by a line through them (:mod:`.layer_sampling`). Ranks differ (the last one's shards are the smallest
 when a dimension does not divide; pipeline stages hold different layers): jobs of up to
 ``SIMULATED_RANKS_LIMIT`` ranks simulate every rank, larger ones the first and the last.
