@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.bench_memory import llama_30m
+from benchmarks.bench_memory import llama_30m, load_options
 from benchmarks.common import Table, measure_main, run_measure
 
 MODULE = "benchmarks.bench_auto_layout"
@@ -73,11 +73,7 @@ def _config(model: str) -> Any:
 
 
 def _options(scenario: Scenario) -> Any:
-    from peft import LoraConfig
-
-    from nemo_wrap.loading.options import LoadOptions
-
-    return LoadOptions(seed=0, peft_config=LoraConfig(r=16, target_modules="all-linear") if scenario.lora else None)
+    return load_options(scenario.lora)
 
 
 def measure(kind: str) -> dict[str, Any]:

@@ -122,13 +122,17 @@ def _config(case: Case) -> Any:
     return moe_30m() if case.model == "moe" else llama_30m(case.model == "tied")
 
 
-def _options(case: Case) -> Any:
+def load_options(lora: bool) -> Any:
+    """The load options of the memory benchmarks (``bench_auto_layout`` too): LoRA r 16 on every linear layer."""
     from peft import LoraConfig
 
     from nemo_wrap.loading.options import LoadOptions
 
-    lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear") if case.model == "lora" else None
-    return LoadOptions(seed=0, peft_config=lora)
+    return LoadOptions(seed=0, peft_config=LoraConfig(r=16, target_modules="all-linear") if lora else None)
+
+
+def _options(case: Case) -> Any:
+    return load_options(case.model == "lora")
 
 
 def _setup(case: Case) -> Any:

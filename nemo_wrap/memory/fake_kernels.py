@@ -27,7 +27,8 @@ class GroupedMatmulInAnyFloat(TorchDispatchMode):
         kwargs = kwargs or {}
         if func not in _GROUPED_MATMULS or not _needs_bfloat16(args[:2]):
             return func(*args, **kwargs)
-        return func(*(_as_bfloat16(argument) for argument in args), **kwargs).to(args[0].dtype)
+        output_dtype = kwargs.get("out_dtype") or args[0].dtype  # the real op's
+        return func(*(_as_bfloat16(argument) for argument in args), **kwargs).to(output_dtype)
 
 
 def _as_bfloat16(argument: Any) -> Any:
