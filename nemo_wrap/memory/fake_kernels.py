@@ -17,15 +17,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_GROUPED_MATMULS = frozenset({torch.ops.aten._grouped_mm.default})
-
 
 class GroupedMatmulInAnyFloat(TorchDispatchMode):
     """Fake ``_grouped_mm`` of float32 (or float16) inputs, through its bfloat16 fake kernel."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func not in _GROUPED_MATMULS or not _needs_bfloat16(args[:2]):
+        if func is not torch.ops.aten._grouped_mm.default or not _needs_bfloat16(args[:2]):
             return func(*args, **kwargs)
         output_dtype = kwargs.get("out_dtype") or args[0].dtype  # the real op's
         return func(*(_as_bfloat16(argument) for argument in args), **kwargs).to(output_dtype)

@@ -41,7 +41,7 @@ def _config(tied: bool) -> LlamaConfig:
 
 
 def _moe_config() -> PretrainedConfig:
-    """A Qwen3-MoE of the Llama's dimensions, 4 experts, 2 a token: its experts run ``_grouped_mm``."""
+    """A two-layer Qwen3-MoE of the Llama's width, 4 experts, 2 a token: its experts run ``_grouped_mm``."""
     return Qwen3MoeConfig(
         vocab_size=4096,
         hidden_size=256,
@@ -146,7 +146,7 @@ def test_a_float32_moe_prediction_matches_the_measured_peak():
 @pytest.mark.parametrize("layout", ["fsdp2", "tp"])
 def test_moe_predictions_match_each_rank_s_measured_peak(ranks2, layout):
     predicted = predict_memory(_moe_config(), _setup(layout, 2), RECOMPUTED)
-    measured = ranks2.run(case_measured_peak, False, layout, 2, RECOMPUTED, False, True)
+    measured = ranks2.run(case_measured_peak, False, layout, 2, RECOMPUTED, moe=True)
     _assert_close([rank.peak_bytes for rank in predicted.per_rank], measured)
 
 
