@@ -9,11 +9,15 @@ inside ``initialize_distributed()`` / ``destroy_distributed()`` on a free local 
 nccl with CUDA). Rank 0's output is streamed into the cell as it comes (prints and progress bars);
 the other ranks are quiet unless they fail. The first rank to fail, a ``timeout`` or an interrupt
 (the kernel's stop button) ends every rank — their whole process group — and raises one
-:class:`LaunchError` in the cell, carrying the failing rank's traceback.
+:class:`LaunchError` in the cell, carrying the failing rank's traceback. A rank killed by a signal
+(an abort in C++ code, a segmentation fault) has no Python traceback of its own: the error then
+says which signal, whether the rank's function had returned, and where each of its Python threads
+was (``faulthandler``).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import socket
@@ -72,9 +76,20 @@ class _Rank:
         """When this rank failed (its own clock) and its traceback."""
         path = self.work / f"error-{self.rank}.txt"
         if not path.is_file():
-            return time.time(), f"exited with status {self.process.returncode}"
+            return time.time(), self._exit_without_traceback()
         when, _, text = path.read_text().partition("\n")
         return float(when), text
+
+    def _exit_without_traceback(self) -> str:
+        """A rank that ended without writing its traceback: killed by a signal, or exited early."""
+        code = self.process.returncode
+        status = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        returned = (self.work / f"returned-{self.rank}").is_file()
+        phase = "after its function had returned" if returned else "while its function ran"
+        faults = self.work / f"fault-{self.rank}.txt"
+        lines = faults.read_text().splitlines() if faults.is_file() else []
+        threads = "\n".join(line for line in lines if not line.startswith("Extension modules:")).strip()
+        return f"{status}, {phase}" + (f"; its Python threads then:\n{threads}" if threads else "")
 
     def stop(self) -> None:
         """End the rank and everything it started, then reap it: no orphan, no bound port."""
@@ -153,12 +168,15 @@ def _run_rank(work: Path, rank: int) -> int:
 
     from nemo_wrap.distributed import destroy_distributed, initialize_distributed
 
+    # open for the process's life: a fatal signal writes every thread's stack into it
+    faulthandler.enable(os.open(work / f"fault-{rank}.txt", os.O_WRONLY | os.O_CREAT), all_threads=True)
     try:
         function, args, kwargs = cloudpickle.loads((work / "job.pkl").read_bytes())
         initialize_distributed()
         result = function(*args, **kwargs)
         if rank == 0:
             (work / "result-0.pkl").write_bytes(cloudpickle.dumps(result))
+        (work / f"returned-{rank}").touch()
         destroy_distributed()
         return 0
     except BaseException:

@@ -143,3 +143,29 @@ def test_an_interrupt_ends_every_rank(tmp_path):
     caller.send_signal(signal.SIGINT)
     assert caller.wait(timeout=30) != 0
     assert _gone(tmp_path)
+
+
+
+def abort_on_rank_1(after_returning: bool) -> None:
+    """Ends rank 1 the way a crash in C++ code does: SIGABRT, no Python traceback of its own."""
+    import atexit
+    import threading
+
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()  # a second thread to report
+    if dist.get_rank() == 1 and after_returning:
+        atexit.register(os.abort)  # once the function has returned and the group is torn down
+    elif dist.get_rank() == 1:
+        os.abort()
+    dist.barrier()
+
+
+@pytest.mark.parametrize("after_returning", [False, True], ids=["while-running", "after-returning"])
+def test_a_rank_killed_by_a_signal_says_which_when_and_where_its_threads_were(after_returning):
+    phase = "after its function had returned" if after_returning else "while its function ran"
+    with pytest.raises(LaunchError) as raised:
+        launch(abort_on_rank_1, 2, after_returning, timeout=120)
+    message = str(raised.value)
+    assert f"rank 1 of 2 failed:\nkilled by SIGABRT, {phase}; its Python threads then:" in message
+    assert message.count("(most recent call first)") == 2  # the main thread and the sleeping one
+    assert ("in abort_on_rank_1" in message) != after_returning
+    assert "Extension modules" not in message  # faulthandler's list of them is noise here
