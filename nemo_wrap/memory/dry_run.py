@@ -10,13 +10,12 @@ own steps build and shard the model on the meta device (:meth:`LoadPipeline.perf
 materializing: the steps after it only write values). Its storage is then made of torch's fake
 tensors — shape, dtype and device, no bytes — and the recipes' step runs twice on it (the first
 makes AdamW's state) while torch's ``MemTracker`` records the second's peak. The step runs outside
-the fake mode: what it computes from fake tensors is fake, what it makes from sizes alone is real.
+the fake mode: what it computes from fake tensors is fake, what it makes from sizes alone is real
+unless it is large (:mod:`.fake_allocations`: FSDP's gathered layers and buffers, AdamW's state).
 So its inputs, positions and labels are real (a few bytes) and the step takes the paths a real one
 takes (inside the mode transformers takes fake positions for a trace and builds the full attention
-mask a real step skips: +25% at 4k tokens, +50% at 8k); FSDP's gathered layers and head are real
-too, the dry run's one real cost (3.2 GB of RSS for a 13.5 GB rank of an 8B-shaped model). On the
-36 configurations of ``benchmarks/bench_memory.py`` the prediction equals the measured peak on
-every rank in 32 and is at most 1.1% over in the other 4.
+mask a real step skips: +25% at 4k tokens, +50% at 8k). On the 36 configurations of
+``benchmarks/bench_memory.py`` the prediction equals the measured peak on every rank.
 
 What this cannot see: the allocator (fragmentation, caching, CUDA's context and workspaces) and
 the memory of the communication libraries themselves; the caller states them as not counted.
@@ -46,14 +45,18 @@ from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import Step
 from nemo_wrap.loading.provenance import LoadReport
 from nemo_wrap.memory.cost import ModelSizes
+from nemo_wrap.memory.fake_allocations import LargeAllocationsFake
 from nemo_wrap.memory.fake_kernels import GroupedMatmulInAnyFloat
 from nemo_wrap.memory.layer_sampling import LayerSampling, layers_alike, sample_layers, with_depth
-from nemo_wrap.memory.prediction import MemoryCategory, RankMemory, TrainingShape
-from nemo_wrap.memory.tracking import second_step_peak
+from nemo_wrap.memory.prediction import MemoryCategory, RankMemory, StepPhase, TrainingShape
+from nemo_wrap.memory.tracking import second_step_peaks_by_phase
 from nemo_wrap.training.step import step_with_label_count
 
 # What follows materializing in a plan that shards first: values written into storage that exists.
 VALUE_ONLY_STEPS = frozenset({Step.READ_CHECKPOINT, Step.INITIALIZE_REST, Step.COMPILE_LAYERS, Step.AUDIT})
+
+# a phase's peak bytes, and their split by category
+_Peak = tuple[int, tuple[tuple[MemoryCategory, int], ...]]
 
 _CATEGORIES = {
     "Parameter": MemoryCategory.PARAMETERS,
@@ -73,9 +76,9 @@ def simulate_rank(
     shape: TrainingShape,
     rank: int,
     depth: int,
-) -> RankMemory:
-    """The predicted peak of ``rank`` for the model cut to ``depth`` decoder layers (see
-    :mod:`.layer_sampling`), by a dry run in this process, which must hold no process group (it
+) -> dict[StepPhase, RankMemory]:
+    """The predicted peaks of ``rank``, of each phase of the step, for the model cut to ``depth``
+    decoder layers (see :mod:`.layer_sampling`), by a dry run in this process, which must hold no process group (it
     creates a fake one, and destroys it). DDP's replica is traced as one process
     (torch's ``replicate`` reads storage as it wraps, and fake tensors have none), plus the
     gradient buckets its reducer allocates once and keeps: as large as the trainable parameters
@@ -87,12 +90,15 @@ def simulate_rank(
     try:
         with warnings.catch_warnings():  # torch's warnings about the dry run's own use of FSDP and meshes
             warnings.simplefilter("ignore")
-            model, peak, breakdown = _dry_run(path_or_config, traced, options, shape, setup.dp_size, depth)
+            model, by_phase = _dry_run(path_or_config, traced, options, shape, setup.dp_size, depth)
     finally:
         if traced.is_collective:
             dist.destroy_process_group()
     buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if replicated else 0
-    return RankMemory(rank, peak + buckets, (*breakdown, (MemoryCategory.GRADIENT_BUCKETS, buckets)))
+    return {
+        phase: RankMemory(rank, peak + buckets, (*breakdown, (MemoryCategory.GRADIENT_BUCKETS, buckets)))
+        for phase, (peak, breakdown) in by_phase.items()
+    }
 
 
 def _dry_run(
@@ -102,28 +108,28 @@ def _dry_run(
     shape: TrainingShape,
     dp_size: int,
     depth: int,
-) -> tuple[PreTrainedModel, int, tuple[tuple[MemoryCategory, int], ...]]:
+) -> tuple[PreTrainedModel, dict[StepPhase, _Peak]]:
     """The model cut to ``depth`` layers, built, sharded and materialized on fake tensors, and its
-    step's peak. The plan is the full model's: only what is built is cut."""
+    step's peaks. The plan is the full model's: only what is built is cut."""
     pipeline = dry_run_pipeline(path_or_config, setup, options)  # config and headers: real reads
     if depth != pipeline.config.num_hidden_layers:
         pipeline = dataclasses.replace(pipeline, config=with_depth(pipeline.config, depth))
     # on the meta device, as in a real load; meshes and groups are made of real rank tensors
     model = pipeline.perform(_steps_before_materializing(pipeline.plan.steps))
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
         _materialize_fake(model)
     # the steps take the loss path from the load's report: this one says nothing was read
     cast(HasModelState, model).nemo_state.load_report = LoadReport(pipeline.plan, provenance={})
     # outside the mode, what the step creates from real inputs stays real (positions, labels):
     # transformers takes a fake position for tracing and would build masks the real step skips
-    peak, breakdown = _step_peak(model, shape, dp_size)
-    return model, peak, breakdown
+    return model, _step_peaks(model, shape, dp_size, fake_mode)
 
 
-def _step_peak(
-    model: PreTrainedModel, shape: TrainingShape, dp_size: int
-) -> tuple[int, tuple[tuple[MemoryCategory, int], ...]]:
-    """The tensor peak of the second of two training steps, and its split by category."""
+def _step_peaks(
+    model: PreTrainedModel, shape: TrainingShape, dp_size: int, fake_mode: FakeTensorMode
+) -> dict[StepPhase, _Peak]:
+    """The tensor peak of each phase of the second of two training steps, and its split by category."""
     model.train()
     if shape.activation_checkpointing:
         model.activation_checkpointing_enable()
@@ -133,15 +139,17 @@ def _step_peak(
     # so far, one micro-batch's activations): two stand for any number
     micro_batches = [{"input_ids": rows} for _ in range(min(shape.accumulation, 2))]
     label_tokens = shape.batch_size * (shape.seq_len - 1) * shape.accumulation * dp_size
-    with GroupedMatmulInAnyFloat():  # outside the tracker (see the module)
-        by_kind = second_step_peak(
+    with GroupedMatmulInAnyFloat(), LargeAllocationsFake(fake_mode):  # outside the tracker (see the modules)
+        by_phase = second_step_peaks_by_phase(
             model,
             optimizer,
             micro_batches,
             lambda batches: step_with_label_count(model, optimizer, batches, label_tokens, None),
         )
-    breakdown = tuple((category, by_kind.get(kind, 0)) for kind, category in _CATEGORIES.items())
-    return by_kind["Total"], breakdown
+    return {
+        phase: (by_kind["Total"], tuple((category, by_kind.get(kind, 0)) for kind, category in _CATEGORIES.items()))
+        for phase, by_kind in by_phase.items()
+    }
 
 
 def layer_sampling(path_or_config: str | Path | PretrainedConfig, options: LoadOptions) -> LayerSampling:

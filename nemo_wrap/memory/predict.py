@@ -17,6 +17,7 @@ import os
 from collections.abc import Sequence
 from multiprocessing.context import BaseContext
 from pathlib import Path
+from typing import Any
 
 from transformers import PretrainedConfig
 
@@ -25,7 +26,8 @@ from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import InvalidSetupError, MemoryPredictionError
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.memory.dry_run import layer_sampling, simulate_rank
-from nemo_wrap.memory.prediction import MemoryPrediction, TrainingShape
+from nemo_wrap.memory.layer_sampling import LayerSampling
+from nemo_wrap.memory.prediction import MemoryPrediction, RankMemory, StepPhase, TrainingShape
 
 SIMULATED_RANKS_LIMIT = 8
 
@@ -62,15 +64,33 @@ def predict_memory(
     if not ranks or any(not 0 <= rank < setup.world_size for rank in ranks):
         raise InvalidSetupError(f"predict_memory: ranks {ranks} are not ranks of a world of {setup.world_size}")
     sampling = layer_sampling(path_or_config, options)
-    fresh_setup = dataclasses.replace(setup)  # without this process's mesh: it pickles
-    runs = [(path_or_config, fresh_setup, options, shape, r, depth) for r in ranks for depth in sampling.traced_depths]
-    # a fresh process per run: torch caches process groups and meshes by name, per process
+    # the setup copied without this process's mesh: it pickles
+    job = (path_or_config, dataclasses.replace(setup), options, shape)
+    per_rank, traced = _traced_ranks(job, ranks, sampling)
+    return MemoryPrediction(shape, per_rank, device_memory, NOT_COUNTED, traced)
+
+
+def _traced_ranks(
+    job: tuple[Any, ...], ranks: Sequence[int], sampling: LayerSampling
+) -> tuple[tuple[RankMemory, ...], str]:
+    """Each rank's peak by the dry runs ``sampling`` asks for, and how the layers were covered. A
+    rank whose line missed the check depth's peak is traced whole."""
+    traced = _dry_runs([(*job, rank, depth) for rank in ranks for depth in sampling.traced_depths])
+    depths = len(sampling.traced_depths)
+    sampled = [sampling.combine(traced[i : i + depths]) for i in range(0, len(traced), depths)]
+    missed = [rank for rank, memory in zip(ranks, sampled, strict=True) if memory is None]
+    whole = iter(_dry_runs([(*job, rank, sampling.layers) for rank in missed]) if missed else ())
+    per_rank = tuple(memory or max(next(whole).values(), key=lambda r: r.peak_bytes) for memory in sampled)
+    how = sampling.describe() + (f"; rank(s) {missed} missed it there, so traced whole" if missed else "")
+    return per_rank, how
+
+
+def _dry_runs(runs: Sequence[tuple[Any, ...]]) -> list[dict[StepPhase, RankMemory]]:
+    """Each run's :func:`simulate_rank`, each in a fresh process (torch caches process groups and
+    meshes by name, per process)."""
     workers = min(len(runs), os.cpu_count() or 1)
     with _fresh_processes().Pool(workers, maxtasksperchild=1) as pool:
-        traced = pool.starmap(simulate_rank, runs)
-    depths = len(sampling.traced_depths)
-    per_rank = [sampling.combine(traced[i : i + depths]) for i in range(0, len(traced), depths)]
-    return MemoryPrediction(shape, tuple(per_rank), device_memory, NOT_COUNTED, sampling.describe())
+        return pool.starmap(simulate_rank, runs)
 
 
 def _fresh_processes() -> BaseContext:

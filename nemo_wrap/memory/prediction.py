@@ -33,6 +33,13 @@ class MemoryCategory(Vocabulary):
     OTHER = "other"
 
 
+class StepPhase(Vocabulary):
+    """The two parts of a training step whose peaks grow differently with the model's depth."""
+
+    FORWARD_BACKWARD = "forward and backward"  # every micro-batch's
+    OPTIMIZER_STEP = "optimizer step"
+
+
 @dataclass(frozen=True)
 class TrainingShape:
     """The step a prediction is for: rows per rank per micro-batch, tokens per row, micro-batches

@@ -1,6 +1,8 @@
 """What "a step's peak" means here, in one place: torch's ``MemTracker`` over the second of two
 steps (the first makes the optimizer's state). The dry run measures its fake step with it, and the
-tests and ``benchmarks/bench_memory.py`` the real step they compare the prediction with.
+tests and ``benchmarks/bench_memory.py`` the real step they compare the prediction with. The dry
+run also takes the peak of the forward and backward apart from the optimizer step's: each grows
+with the model's depth at its own rate (:mod:`.layer_sampling`).
 
 Two limits of torch's tracker (2.13) are met here rather than refused: it takes one forward of the
 root module per tracked region (gradient accumulation runs several), and it registers a gradient
@@ -15,6 +17,8 @@ from typing import TypeVar, overload
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from nemo_wrap.memory.prediction import StepPhase
+
 MicroBatch = Mapping[str, torch.Tensor]
 _Item = TypeVar("_Item")
 
@@ -28,19 +32,52 @@ def second_step_peak(
     """Bytes at the peak of the second of two calls of ``step(micro_batches)``, on the device that
     peaks highest: ``"Total"`` and each of torch's categories by its name (``"Parameter"``,
     ``"Optstate"``, ...)."""
+    by_phase = second_step_peaks_by_phase(model, optimizer, micro_batches, step)
+    return max(by_phase.values(), key=lambda kinds: kinds["Total"])
+
+
+def second_step_peaks_by_phase(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[MicroBatch],
+    step: Callable[[Sequence[MicroBatch]], object],
+) -> dict[StepPhase, dict[str, int]]:
+    """:func:`second_step_peak` of the forward and backward (until ``optimizer.step`` starts) and of
+    the optimizer step (from then on), apart; the higher is the step's peak. A step that does not
+    call ``optimizer.step`` has its forward and backward only."""
     step(micro_batches)
-    tracker = _FrozenAwareMemTracker()
+    tracker = _StepMemTracker()
     tracker.track_external(model, optimizer)
-    with tracker:
-        step(_ModuleStatsResetBetween(micro_batches, tracker))
+    peaks: dict[StepPhase, dict[str, int]] = {}
+
+    def optimizer_starts(*_: object) -> None:
+        peaks[StepPhase.FORWARD_BACKWARD] = _highest_peak(tracker)
+        tracker.restart_peak()
+
+    handle = optimizer.register_step_pre_hook(optimizer_starts)
+    try:
+        with tracker:
+            step(_ModuleStatsResetBetween(micro_batches, tracker))
+    finally:
+        handle.remove()
+    peaks[StepPhase.OPTIMIZER_STEP if peaks else StepPhase.FORWARD_BACKWARD] = _highest_peak(tracker)
+    return peaks
+
+
+def _highest_peak(tracker: MemTracker) -> dict[str, int]:
     snapshot = max(tracker.get_tracker_snapshot("peak").values(), key=lambda device: device["Total"])
     return {getattr(key, "value", key): int(value) for key, value in snapshot.items()}
 
 
-class _FrozenAwareMemTracker(MemTracker):
+class _StepMemTracker(MemTracker):
     """torch's tracker, which hooks no gradient of a frozen parameter: before it tracks a module's
     parameters (FSDP swaps in unsharded ones at each forward), each frozen one is marked as hooked
-    already, with handles that remove nothing. It is still counted as a parameter."""
+    already, with handles that remove nothing. It is still counted as a parameter. Its peak can
+    restart from the current memory, as entering the tracker makes it."""
+
+    def restart_peak(self) -> None:
+        self._peak_mem_snap = self.get_tracker_snapshot()
+        self._peak_mem = {device: snapshot["Total"] for device, snapshot in self._peak_mem_snap.items()}
 
     def _track_module_params_and_buffers(
         self, module: torch.nn.Module, install_grad_hooks: bool = True

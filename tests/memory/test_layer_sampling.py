@@ -14,8 +14,10 @@ from nemo_wrap.distributed.modules import decoder_layers
 from nemo_wrap.errors import MemoryPredictionError
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.memory import MemoryCategory, RankMemory
+from nemo_wrap.memory.prediction import StepPhase
 from nemo_wrap.memory.dry_run import layer_sampling
 from nemo_wrap.memory.layer_sampling import (
+    CHECK_DEPTH,
     SAMPLED_DEPTHS,
     TRACED_WHOLE_UP_TO,
     LayerSampling,
@@ -44,20 +46,40 @@ def _llama(layers: int = DEEP) -> LlamaConfig:
 def test_the_decision_samples_only_many_alike_layers(layers, alike):
     sampling = sample_layers(layers, alike)
     sampled = alike and layers > TRACED_WHOLE_UP_TO
-    assert sampling.traced_depths == (SAMPLED_DEPTHS if sampled else (layers,))
+    assert sampling.traced_depths == ((*SAMPLED_DEPTHS, CHECK_DEPTH) if sampled else (layers,))
     assert sampling.extrapolates is sampled
 
 
-def test_the_line_through_two_depths_gives_every_category_at_full_depth():
-    def traced(depth: int) -> RankMemory:  # a rank whose peak grows 10 parameters and 3 activations a layer
-        parts = ((MemoryCategory.PARAMETERS, 100 + 10 * depth), (MemoryCategory.ACTIVATIONS, 50 + 3 * depth))
-        return RankMemory(1, sum(size for _, size in parts), parts)
+def _rank(depth: int, per_layer: int = 10, fixed: int = 100, phase: StepPhase = StepPhase.FORWARD_BACKWARD) -> RankMemory:
+    """A rank whose peak grows ``per_layer`` bytes of parameters and 3 of activations a layer."""
+    parts = ((MemoryCategory.PARAMETERS, fixed + per_layer * depth), (MemoryCategory.ACTIVATIONS, 50 + 3 * depth))
+    return RankMemory(1, sum(size for _, size in parts), parts)
 
-    sampling = LayerSampling(40, (2, 3))
-    assert sampling.combine([traced(2), traced(3)]) == traced(40)
-    assert LayerSampling(3, (3,)).combine([traced(3)]) == traced(3)
+
+def test_the_line_through_two_depths_gives_every_category_at_full_depth():
+    sampling = LayerSampling(40, (2, 3, 10))
+    assert sampling.combine([{StepPhase.FORWARD_BACKWARD: _rank(d)} for d in (2, 3, 10)]) == _rank(40)
+    assert LayerSampling(3, (3,)).combine([{StepPhase.FORWARD_BACKWARD: _rank(3)}]) == _rank(3)
     with pytest.raises(MemoryPredictionError):
-        sampling.combine([traced(2), RankMemory(0, 1, ())])
+        sampling.combine([{StepPhase.FORWARD_BACKWARD: _rank(2)}, {StepPhase.FORWARD_BACKWARD: RankMemory(0, 1, ())}])
+
+
+def test_each_phase_has_its_line_and_the_steeper_one_wins_past_the_sampled_depths():
+    """The backward peaks higher at 2 and 3 layers, the optimizer step (steeper) at 10 and 40."""
+
+    def phases(depth: int) -> dict[StepPhase, RankMemory]:
+        return {StepPhase.FORWARD_BACKWARD: _rank(depth, 10, 500), StepPhase.OPTIMIZER_STEP: _rank(depth, 30, 100)}
+
+    assert phases(3)[StepPhase.FORWARD_BACKWARD].peak_bytes > phases(3)[StepPhase.OPTIMIZER_STEP].peak_bytes
+    assert LayerSampling(40, (2, 3, 10)).combine([phases(2), phases(3), phases(10)]) == _rank(40, 30, 100)
+    assert LayerSampling(3, (3,)).combine([phases(3)]) == phases(3)[StepPhase.FORWARD_BACKWARD]
+
+
+def test_a_line_that_misses_the_peak_at_the_check_depth_asks_for_the_whole_trace():
+    """Within one phase a steeper moment takes over between the sampled depths and the check."""
+    missed = [{StepPhase.FORWARD_BACKWARD: max(_rank(d, 10, 500), _rank(d, 30, 320), key=lambda r: r.peak_bytes)}
+              for d in (2, 3, 10)]
+    assert LayerSampling(40, (2, 3, 10)).combine(missed) is None
 
 
 def _alike(config: PretrainedConfig) -> bool:
@@ -85,7 +107,7 @@ def test_a_config_cut_to_a_depth_cuts_its_per_layer_lists_and_leaves_the_origina
 
 
 def test_a_deep_model_is_sampled_and_a_shallow_one_traced_whole():
-    assert layer_sampling(_llama(), _options()).traced_depths == SAMPLED_DEPTHS
+    assert layer_sampling(_llama(), _options()).traced_depths == (*SAMPLED_DEPTHS, CHECK_DEPTH)
     assert layer_sampling(_llama(TRACED_WHOLE_UP_TO), _options()).traced_depths == (TRACED_WHOLE_UP_TO,)
 
 
@@ -99,7 +121,7 @@ def test_the_sampled_prediction_equals_the_whole_trace_on_fsdp2(monkeypatch):
     sampled = predict_memory(_llama(), setup, shape)
     monkeypatch.setattr("nemo_wrap.memory.layer_sampling.TRACED_WHOLE_UP_TO", DEEP)
     whole = predict_memory(_llama(), setup, shape)
-    assert "traced 4 and 5 of 12" in sampled.traced and "all 12" in whole.traced
+    assert "traced 4, 5 and 10 of 12" in sampled.traced and "all 12" in whole.traced
     assert [r.peak_bytes for r in sampled.per_rank] == [r.peak_bytes for r in whole.per_rank]
 
 

@@ -129,6 +129,13 @@ def test_two_rank_predictions_match_each_rank_s_measured_peak(ranks2, tied, layo
     _assert_close([rank.peak_bytes for rank in predicted.per_rank], measured)
 
 
+def test_fsdp2_s_gathered_layers_and_buffers_are_counted_to_the_byte(ranks2):
+    """They are made from sizes alone: made real in the dry run (before ``LargeAllocationsFake``)
+    they were counted 1% over; made fake, exactly."""
+    predicted = predict_memory(_config(False), _setup("fsdp2", 2), SHAPE)
+    assert [rank.peak_bytes for rank in predicted.per_rank] == ranks2.run(case_measured_peak, False, "fsdp2", 2, SHAPE)
+
+
 @pytest.mark.parametrize("layout", ["fsdp2", "tp"])
 def test_lora_predictions_match_each_rank_s_measured_peak(ranks2, layout):
     predicted = predict_memory(_config(tied=False), _setup(layout, 2), SHAPE, _options(lora=True))
