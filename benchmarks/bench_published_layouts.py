@@ -7,7 +7,7 @@ projects' defaults where the file is silent). Where the published layout checkpo
 only (torchtitan's ``selective``), both bounds are predicted: no checkpointing (above it) and every
 layer recomputed (below it). float8 layouts are predicted in bf16 (more memory, never less). Layouts
 with pipeline or expert parallelism are listed as not yet predicted: the dry run refuses them.
-Run: ``python -m benchmarks --only published_layouts`` (about 45 minutes on 2 cores).
+Run: ``python -m benchmarks --only published_layouts`` (about 15 minutes on 2 cores).
 """
 
 from __future__ import annotations
