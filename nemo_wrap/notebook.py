@@ -73,12 +73,15 @@ class _Rank:
             sys.stdout.flush()
 
     def failure(self) -> tuple[float, str]:
-        """When this rank failed (its own clock) and its traceback."""
-        path = self.work / f"error-{self.rank}.txt"
-        if not path.is_file():
-            return time.time(), self._exit_without_traceback()
-        when, _, text = path.read_text().partition("\n")
-        return float(when), text
+        """When this rank failed (its own clock) and its traceback. A rank killed by a signal failed
+        when faulthandler wrote its threads (the file's modification time): a peer that fails
+        because of it, a moment later, must not be taken for the first."""
+        path, faults = self.work / f"error-{self.rank}.txt", self.work / f"fault-{self.rank}.txt"
+        if path.is_file():
+            when, _, text = path.read_text().partition("\n")
+            return float(when), text
+        written = faults.is_file() and faults.stat().st_size > 0
+        return (faults.stat().st_mtime if written else time.time()), self._exit_without_traceback()
 
     def _exit_without_traceback(self) -> str:
         """A rank that ended without writing its traceback: killed by a signal, or exited early."""
