@@ -76,12 +76,17 @@ class _Rank:
         """When this rank failed (its own clock) and its traceback. A rank killed by a signal failed
         when faulthandler wrote its threads (the file's modification time): a peer that fails
         because of it, a moment later, must not be taken for the first."""
-        path, faults = self.work / f"error-{self.rank}.txt", self.work / f"fault-{self.rank}.txt"
+        path, faults = self.work / f"error-{self.rank}.txt", self._faults
         if path.is_file():
             when, _, text = path.read_text().partition("\n")
             return float(when), text
         written = faults.is_file() and faults.stat().st_size > 0
         return (faults.stat().st_mtime if written else time.time()), self._exit_without_traceback()
+
+    @property
+    def _faults(self) -> Path:
+        """Where faulthandler writes the rank's threads when a signal kills it (see :func:`_run_rank`)."""
+        return self.work / f"fault-{self.rank}.txt"
 
     def _exit_without_traceback(self) -> str:
         """A rank that ended without writing its traceback: killed by a signal, or exited early."""
@@ -89,8 +94,7 @@ class _Rank:
         status = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
         returned = (self.work / f"returned-{self.rank}").is_file()
         phase = "after its function had returned" if returned else "while its function ran"
-        faults = self.work / f"fault-{self.rank}.txt"
-        lines = faults.read_text().splitlines() if faults.is_file() else []
+        lines = self._faults.read_text().splitlines() if self._faults.is_file() else []
         threads = "\n".join(line for line in lines if not line.startswith("Extension modules:")).strip()
         return f"{status}, {phase}" + (f"; its Python threads then:\n{threads}" if threads else "")
 

@@ -78,8 +78,8 @@ def simulate_rank(
     depth: int,
 ) -> dict[StepPhase, RankMemory]:
     """The predicted peaks of ``rank``, of each phase of the step, for the model cut to ``depth``
-    decoder layers (see :mod:`.layer_sampling`), by a dry run in this process, which must hold no process group (it
-    creates a fake one, and destroys it). DDP's replica is traced as one process
+    decoder layers (see :mod:`.layer_sampling`), by a dry run in this process, which must hold no
+    process group (it creates a fake one, and destroys it). DDP's replica is traced as one process
     (torch's ``replicate`` reads storage as it wraps, and fake tensors have none), plus the
     gradient buckets its reducer allocates once and keeps: as large as the trainable parameters
     (measured: the whole difference between a DDP rank's peak and one process's)."""

@@ -76,13 +76,17 @@ class LayerSampling:
         if len(traced) != len(self.traced_depths) or len(ranks) != 1 or len(phases) != 1:
             raise MemoryPredictionError(f"layer sampling: expected one rank's phases at depths {self.traced_depths}")
         if not self.extrapolates:
-            return max(traced[0].values(), key=lambda rank: rank.peak_bytes)
+            return highest_phase(traced[0])
         low, high, checked = traced
         depths, check_depth = self.traced_depths[:2], self.traced_depths[2]
         if any(_line(low[p], high[p], depths, check_depth).peak_bytes < checked[p].peak_bytes for p in checked):
             return None
-        lines = [_line(low[phase], high[phase], depths, self.layers) for phase in low]
-        return max(lines, key=lambda rank: rank.peak_bytes)
+        return highest_phase({phase: _line(low[phase], high[phase], depths, self.layers) for phase in low})
+
+
+def highest_phase(by_phase: Mapping[StepPhase, RankMemory]) -> RankMemory:
+    """A rank's step peak: the highest of its phases' peaks."""
+    return max(by_phase.values(), key=lambda rank: rank.peak_bytes)
 
 
 def _line(low: RankMemory, high: RankMemory, sampled: tuple[int, ...], depth: int) -> RankMemory:

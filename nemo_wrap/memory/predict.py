@@ -26,7 +26,7 @@ from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import InvalidSetupError, MemoryPredictionError
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.memory.dry_run import layer_sampling, simulate_rank
-from nemo_wrap.memory.layer_sampling import LayerSampling
+from nemo_wrap.memory.layer_sampling import LayerSampling, highest_phase
 from nemo_wrap.memory.prediction import MemoryPrediction, RankMemory, StepPhase, TrainingShape
 
 SIMULATED_RANKS_LIMIT = 8
@@ -80,7 +80,7 @@ def _traced_ranks(
     sampled = [sampling.combine(traced[i : i + depths]) for i in range(0, len(traced), depths)]
     missed = [rank for rank, memory in zip(ranks, sampled, strict=True) if memory is None]
     whole = iter(_dry_runs([(*job, rank, sampling.layers) for rank in missed]) if missed else ())
-    per_rank = tuple(memory or max(next(whole).values(), key=lambda r: r.peak_bytes) for memory in sampled)
+    per_rank = tuple(memory or highest_phase(next(whole)) for memory in sampled)
     how = sampling.describe() + (f"; rank(s) {missed} missed it there, so traced whole" if missed else "")
     return per_rank, how
 

@@ -14,7 +14,6 @@ from nemo_wrap.distributed.modules import decoder_layers
 from nemo_wrap.errors import MemoryPredictionError
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.memory import MemoryCategory, RankMemory
-from nemo_wrap.memory.prediction import StepPhase
 from nemo_wrap.memory.dry_run import layer_sampling
 from nemo_wrap.memory.layer_sampling import (
     CHECK_DEPTH,
@@ -25,6 +24,7 @@ from nemo_wrap.memory.layer_sampling import (
     sample_layers,
     with_depth,
 )
+from nemo_wrap.memory.prediction import StepPhase
 from tests.memory.test_predict_memory import TOLERANCE, case_measured_peak
 
 DEEP = 12
@@ -50,7 +50,7 @@ def test_the_decision_samples_only_many_alike_layers(layers, alike):
     assert sampling.extrapolates is sampled
 
 
-def _rank(depth: int, per_layer: int = 10, fixed: int = 100, phase: StepPhase = StepPhase.FORWARD_BACKWARD) -> RankMemory:
+def _rank(depth: int, per_layer: int = 10, fixed: int = 100) -> RankMemory:
     """A rank whose peak grows ``per_layer`` bytes of parameters and 3 of activations a layer."""
     parts = ((MemoryCategory.PARAMETERS, fixed + per_layer * depth), (MemoryCategory.ACTIVATIONS, 50 + 3 * depth))
     return RankMemory(1, sum(size for _, size in parts), parts)
@@ -77,8 +77,10 @@ def test_each_phase_has_its_line_and_the_steeper_one_wins_past_the_sampled_depth
 
 def test_a_line_that_misses_the_peak_at_the_check_depth_asks_for_the_whole_trace():
     """Within one phase a steeper moment takes over between the sampled depths and the check."""
-    missed = [{StepPhase.FORWARD_BACKWARD: max(_rank(d, 10, 500), _rank(d, 30, 320), key=lambda r: r.peak_bytes)}
-              for d in (2, 3, 10)]
+    def steeper_from_ten(depth: int) -> RankMemory:
+        return max(_rank(depth, 10, 500), _rank(depth, 30, 320), key=lambda rank: rank.peak_bytes)
+
+    missed = [{StepPhase.FORWARD_BACKWARD: steeper_from_ten(depth)} for depth in (2, 3, 10)]
     assert LayerSampling(40, (2, 3, 10)).combine(missed) is None
 
 

@@ -108,8 +108,7 @@ RECOMPUTED = TrainingShape(batch_size=4, seq_len=256, activation_checkpointing=T
 
 @pytest.mark.parametrize(
     ("tied", "layout", "shape"),
-    [
-        (False, "fsdp2", SHAPE),
+    [  # untied fsdp2 at SHAPE: to the byte, below
         (True, "fsdp2", SHAPE),
         (False, "tp", SHAPE),
         (True, "ddp", SHAPE),

@@ -145,7 +145,6 @@ def test_an_interrupt_ends_every_rank(tmp_path):
     assert _gone(tmp_path)
 
 
-
 def abort_on_rank_1(after_returning: bool) -> None:
     """Ends rank 1 the way a crash in C++ code does: SIGABRT, no Python traceback of its own."""
     import atexit
