@@ -2,36 +2,42 @@
 (``predict_memory``, a dry run on fake tensors) beside the peak torch's ``MemTracker`` measures in
 the same step run for real (fresh torchrun jobs on gloo ranks, the second of two steps).
 
-Models: a 30M-class Llama (4 layers, hidden 512, vocabulary 8,192), untied, tied and with LoRA
-adapters, and a Qwen3-MoE of the same dimensions (8 experts, 2 a token). Layouts: one process, ddp,
-fsdp2, tp, fsdp × tp, HSDP, cp and cp × fsdp; 256 to 8,192 tokens a row; activation checkpointing
-on and off. Goal: every rank within ±10%.
+Models: a 30M-class Llama (4 layers, hidden 512, vocabulary 8,192), untied, tied, with LoRA
+adapters and with QLoRA's (4-bit NF4 layers, loaded from a saved checkpoint), and a Qwen3-MoE of the
+same dimensions (8 experts, 2 a token). Layouts: one process, ddp, fsdp2, tp, fsdp × tp, HSDP, cp,
+cp × fsdp, ep, ep × fsdp and ep × tp; 256 to 8,192 tokens a row; activation checkpointing on and
+off. Goal: every rank within ±10%.
 Run: ``python -m benchmarks.bench_memory``.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Table, measure_main, run_measure
 
 MODULE = "benchmarks.bench_memory"
+# where the measuring jobs find the checkpoints the table saved (the 4-bit cases load one)
+CHECKPOINTS_VARIABLE = "BENCH_MEMORY_CHECKPOINTS"
 
 
 @dataclass(frozen=True)
 class Case:
     """One configuration: the model, the layout and the step's shape."""
 
-    model: str  # untied | tied | moe | lora (the untied Llama with LoRA adapters)
-    layout: str  # one | ddp | fsdp2 | tp | fsdp_tp | hsdp | cp | cp_dp
+    model: str  # untied | tied | moe | lora (the untied Llama with LoRA adapters) | qlora (4-bit, with them)
+    layout: str  # one | ddp | fsdp2 | tp | fsdp_tp | hsdp | cp | cp_dp | ep | ep_dp | ep_tp
     rows: int
     tokens: int
     recompute: bool = False
 
     @property
     def ranks(self) -> int:
-        return {"one": 1, "fsdp_tp": 4, "hsdp": 4, "cp_dp": 4}.get(self.layout, 2)
+        return {"one": 1, "fsdp_tp": 4, "hsdp": 4, "cp_dp": 4, "ep_dp": 4, "ep_tp": 4}.get(self.layout, 2)
 
     def label(self) -> str:
         recomputed = ", recomputed" if self.recompute else ""
@@ -73,11 +79,18 @@ CASES = {
             Case("moe", "fsdp2", 2, 2048, recompute=True),
             Case("moe", "tp", 4, 512),
             Case("moe", "fsdp_tp", 2, 1024),
+            Case("moe", "ep", 4, 1024),
+            Case("moe", "ep", 2, 2048, recompute=True),
+            Case("moe", "ep_dp", 4, 512),
+            Case("moe", "ep_tp", 2, 1024),
             Case("lora", "one", 4, 1024),
             Case("lora", "ddp", 4, 512),
             Case("lora", "fsdp2", 4, 1024),
             Case("lora", "fsdp2", 2, 4096, recompute=True),
             Case("lora", "fsdp_tp", 4, 512),
+            Case("qlora", "one", 4, 1024),
+            Case("qlora", "fsdp2", 4, 1024),
+            Case("qlora", "fsdp2", 2, 4096, recompute=True),
         ],
         1,
     )
@@ -118,21 +131,57 @@ def moe_30m() -> Any:
     )
 
 
+def quantizable_llama_30m() -> Any:
+    """The untied 30M Llama with a feed-forward width of 1,408, a multiple of 64, so that every linear
+    layer can be held in 4 bits (bitsandbytes' blocks of 64 must not cross a row)."""
+    config = llama_30m(tied=False)
+    config.intermediate_size = 1408
+    return config
+
+
 def _config(case: Case) -> Any:
+    if case.model == "qlora":
+        return quantizable_llama_30m()
     return moe_30m() if case.model == "moe" else llama_30m(case.model == "tied")
 
 
-def load_options(lora: bool) -> Any:
-    """The load options of the memory benchmarks (``bench_auto_layout`` too): LoRA r 16 on every linear layer."""
+def load_options(lora: bool, quantized: bool = False) -> Any:
+    """The load options of the memory benchmarks (``bench_auto_layout`` too): LoRA r 16 on every
+    linear layer; ``quantized``: QLoRA's, NF4 with double quantization, computed in bfloat16."""
+    import torch
     from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
 
     from nemo_wrap.loading.options import LoadOptions
 
-    return LoadOptions(seed=0, peft_config=LoraConfig(r=16, target_modules="all-linear") if lora else None)
+    nf4 = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    return LoadOptions(
+        seed=0,
+        peft_config=LoraConfig(r=16, target_modules="all-linear") if lora or quantized else None,
+        quantization_config=nf4 if quantized else None,
+    )
 
 
 def _options(case: Case) -> Any:
-    return load_options(case.model == "lora")
+    return load_options(case.model == "lora", quantized=case.model == "qlora")
+
+
+def _source(case: Case, checkpoints: Path) -> Any:
+    """What the case loads: its config, or (4-bit layers are quantized while a checkpoint is read)
+    a checkpoint of it saved under ``checkpoints`` by :func:`_saved_checkpoint`."""
+    return checkpoints / case.model if case.model == "qlora" else _config(case)
+
+
+def _saved_checkpoint(case: Case, checkpoints: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    if case.model == "qlora" and not (checkpoints / case.model).exists():
+        AutoModelForCausalLM.from_config(_config(case)).save_pretrained(checkpoints / case.model)
 
 
 def _setup(case: Case) -> Any:
@@ -147,6 +196,9 @@ def _setup(case: Case) -> Any:
         "hsdp": lambda: DistributedSetup.build("fsdp2", 4, dp_replicate_size=2),
         "cp": lambda: DistributedSetup.build("fsdp2", 2, cp_size=2),
         "cp_dp": lambda: DistributedSetup.build("fsdp2", 4, cp_size=2),
+        "ep": lambda: DistributedSetup.build("fsdp2", 2, ep_size=2),
+        "ep_dp": lambda: DistributedSetup.build("fsdp2", 4, ep_size=2),
+        "ep_tp": lambda: DistributedSetup.build("fsdp2", 4, ep_size=2, tp_size=2),
     }
     return builds[case.layout]()
 
@@ -169,7 +221,11 @@ def measure(kind: str) -> dict[str, Any]:
     case = CASES[kind]
     if case.ranks > 1:
         initialize_distributed()
-    model = NeMoAutoModelForCausalLM.from_config(_config(case), _setup(case), options=_options(case))
+    source = _source(case, Path(os.environ[CHECKPOINTS_VARIABLE]))
+    if isinstance(source, Path):
+        model = NeMoAutoModelForCausalLM.from_pretrained(source, _setup(case), options=_options(case))
+    else:
+        model = NeMoAutoModelForCausalLM.from_config(source, _setup(case), options=_options(case))
     if case.recompute:
         model.activation_checkpointing_enable()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -181,19 +237,14 @@ def measure(kind: str) -> dict[str, Any]:
 
 
 def table() -> Table:
-    from nemo_wrap.memory import predict_memory
-
     result = Table(
         "Predicted vs measured tensor peak per rank",
         ["predicted (MiB, per rank)", "measured (MiB, per rank)", "predicted / measured, per rank"],
     )
     worst = 0.0
-    for kind, case in CASES.items():
-        predicted = [
-            rank.peak_bytes
-            for rank in predict_memory(_config(case), _setup(case), _shape(case), _options(case)).per_rank
-        ]
-        measured = [row["peak"] for row in run_measure(MODULE, kind, case.ranks)]
+    with tempfile.TemporaryDirectory(prefix="bench_memory_") as folder:
+        rows = [(case, *_predicted_and_measured(kind, case, Path(folder))) for kind, case in CASES.items()]
+    for case, predicted, measured in rows:
         ratios = [p / m for p, m in zip(predicted, measured, strict=True)]
         worst = max(worst, *(abs(r - 1) for r in ratios))
         result.rows.append([case.label(), _cells(predicted), _cells(measured), " ".join(f"{r:.3f}" for r in ratios)])
@@ -203,6 +254,19 @@ def table() -> Table:
         f"group. Worst rank off by {worst:.1%} (goal: ±10%)."
     )
     return result
+
+
+def _predicted_and_measured(kind: str, case: Case, checkpoints: Path) -> tuple[list[int], list[int]]:
+    """Each rank's predicted and measured peak of one case."""
+    from nemo_wrap.memory import predict_memory
+
+    _saved_checkpoint(case, checkpoints)
+    source = _source(case, checkpoints)
+    predicted = [
+        rank.peak_bytes for rank in predict_memory(source, _setup(case), _shape(case), _options(case)).per_rank
+    ]
+    jobs = run_measure(MODULE, kind, case.ranks, env={CHECKPOINTS_VARIABLE: str(checkpoints)})
+    return predicted, [row["peak"] for row in jobs]
 
 
 def _cells(values: list[float]) -> str:

@@ -23,6 +23,7 @@ the memory of the communication libraries themselves; the caller states them as 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from pathlib import Path
@@ -44,6 +45,7 @@ from nemo_wrap.loading.model_state import HasModelState
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import Step
 from nemo_wrap.loading.provenance import LoadReport
+from nemo_wrap.memory.balanced_routing import balanced_routing
 from nemo_wrap.memory.cost import ModelSizes
 from nemo_wrap.memory.fake_allocations import LargeAllocationsFake
 from nemo_wrap.memory.fake_kernels import GroupedMatmulInAnyFloat
@@ -123,7 +125,9 @@ def _dry_run(
     cast(HasModelState, model).nemo_state.load_report = LoadReport(pipeline.plan, provenance={})
     # outside the mode, what the step creates from real inputs stays real (positions, labels):
     # transformers takes a fake position for tracing and would build masks the real step skips
-    return model, _step_peaks(model, shape, dp_size, fake_mode)
+    experts = pipeline.plan.experts
+    with balanced_routing(model, experts) if experts is not None else contextlib.nullcontext():
+        return model, _step_peaks(model, shape, dp_size, fake_mode)
 
 
 def _step_peaks(

@@ -6,8 +6,8 @@ whether each decoder layer recomputes its activations in the backward, and the m
 job stays the one the user asked for: every layout takes the same rows per optimizer step over
 all data-parallel ranks (the global batch) of the same tokens, so they train the same steps and
 differ only in memory and cost. Not enumerated: tensor parallel across nodes (its per-layer
-exchanges would run at the inter-node speed), pipeline and expert parallel (the dry run cannot
-trace them yet), Megatron-FSDP (likewise).
+exchanges would run at the inter-node speed), pipeline parallel and Megatron-FSDP (the dry run
+cannot trace them yet), expert parallel (the cost model has no term for its all-to-all yet).
 """
 
 from __future__ import annotations

@@ -114,8 +114,6 @@ def _refuse_untraced(setup: DistributedSetup, options: LoadOptions) -> None:
         "DDP with tensor parallel": Feature.REPLICATED in traits and degrees.tp > 1,
         f"strategy {setup.strategy!r} (flat parameter buffers)": Feature.FLAT_BUFFERS in traits,
         f"pipeline parallel (pp={degrees.pp})": degrees.pp > 1,
-        f"expert parallel (ep={degrees.ep})": degrees.ep > 1,
-        "4-bit quantization": options.quantization_config is not None,
     }
     refused = [name for name, applies in untraced.items() if applies]
     if refused:

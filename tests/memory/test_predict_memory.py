@@ -3,13 +3,14 @@ what torch's ``MemTracker`` measures in a real training step on real gloo ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig
-from transformers import LlamaConfig, PretrainedConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, PretrainedConfig, Qwen3MoeConfig
 
 from nemo_wrap import DistributedSetup, MemoryPredictionError, TrainingShape, predict_memory
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
@@ -63,6 +64,8 @@ def _setup(layout: str, world_size: int) -> DistributedSetup:
         return DistributedSetup.build("ddp", world_size)
     if layout == "cp":
         return DistributedSetup.build("fsdp2", world_size, cp_size=2)
+    if layout == "ep":
+        return DistributedSetup.build("fsdp2", world_size, ep_size=2)
     return DistributedSetup.build("fsdp2", world_size, tp_size=2 if layout == "tp" else 1)
 
 
@@ -156,6 +159,42 @@ def test_moe_predictions_match_each_rank_s_measured_peak(ranks2, layout):
     _assert_close([rank.peak_bytes for rank in predicted.per_rank], measured)
 
 
+@pytest.mark.parametrize("shape", [SHAPE, RECOMPUTED], ids=str)
+def test_expert_parallel_predictions_are_within_the_goal_of_each_rank_s_measured_peak(ranks2, shape):
+    """The dry run routes tokens evenly over the experts (:mod:`nemo_wrap.memory.balanced_routing`);
+    the real router does not, so the rows each expert rank receives, and its peak, differ: the goal
+    (±10%) holds, not the tighter bound of the layouts the dry run runs exactly."""
+    predicted = [rank.peak_bytes for rank in predict_memory(_moe_config(), _setup("ep", 2), shape).per_rank]
+    measured = ranks2.run(case_measured_peak, False, "ep", 2, shape, moe=True)
+    ratios = [p / m for p, m in zip(predicted, measured, strict=True)]
+    assert all(abs(ratio - 1) <= 0.10 for ratio in ratios), (predicted, measured, ratios)
+
+
+NF4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+
+
+def qlora_measured_peak(checkpoint: Path, layout: str, world_size: int, shape: TrainingShape) -> int:
+    """This rank's tensor peak in the second of two real QLoRA steps (4-bit layers need a checkpoint)."""
+    torch.set_num_threads(1)
+    options = dataclasses.replace(_options(lora=True), quantization_config=NF4)
+    model = NeMoAutoModelForCausalLM.from_pretrained(checkpoint, _setup(layout, world_size), options=options)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    rows = torch.randint(0, 4096, (shape.batch_size, shape.seq_len), generator=torch.Generator().manual_seed(0))
+    return second_step_peak(model, optimizer, [{"input_ids": rows}], lambda b: train_step(model, optimizer, b))["Total"]
+
+
+@pytest.mark.parametrize("layout", ["one", "fsdp2"])
+def test_qlora_predictions_match_each_rank_s_measured_peak(ranks2, tmp_path, layout):
+    AutoModelForCausalLM.from_config(_config(tied=False)).save_pretrained(tmp_path)
+    options = dataclasses.replace(_options(lora=True), quantization_config=NF4)
+    predicted = [rank.peak_bytes for rank in predict_memory(tmp_path, _setup(layout, 2), SHAPE, options).per_rank]
+    if layout == "one":
+        measured = [qlora_measured_peak(tmp_path, layout, 1, SHAPE)]
+    else:
+        measured = ranks2.run(qlora_measured_peak, tmp_path, layout, 2, SHAPE)
+    _assert_close(predicted, measured)
+
+
 def test_the_breakdown_adds_up_and_sharding_shrinks_the_persistent_state():
     one = predict_memory(_config(tied=False), None, SHAPE).per_rank[0]
     sharded = predict_memory(_config(tied=False), _setup("fsdp2", 2), SHAPE).per_rank[0]
@@ -170,8 +209,6 @@ def test_layouts_the_dry_run_cannot_trace_are_refused_by_name():
         predict_memory(_config(tied=False), DistributedSetup.build("ddp", 4, tp_size=2), SHAPE)
     with pytest.raises(MemoryPredictionError, match=r"pipeline parallel \(pp=2\)"):
         predict_memory(_config(tied=False), DistributedSetup.build("fsdp2", 2, pp_size=2), SHAPE)
-    with pytest.raises(MemoryPredictionError, match=r"expert parallel \(ep=2\)"):
-        predict_memory(_moe_config(), DistributedSetup.build("fsdp2", 2, ep_size=2), SHAPE)
 
 
 @pytest.mark.parametrize(("text", "size"), [("80GiB", 80 * 2**30), ("512 MiB", 512 * 2**20), ("2e9", 2 * 10**9)])

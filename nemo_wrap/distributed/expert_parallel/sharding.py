@@ -46,6 +46,11 @@ def apply_expert_parallel(
     ``tp_mesh`` holds the ranks that share one batch (size 1 without tensor parallel): each sends
     a disjoint slice of it, so no token reaches an expert twice.
     """
+    apply_expert_parallelism(model, ep_mesh, tp_mesh, expanded_expert_plan(model, layout))
+    return experts_modules(model, layout)
+
+
+def experts_modules(model: nn.Module, layout: ExpertLayout) -> list[nn.Module]:
+    """The modules tokens are dispatched to: every MoE layer's experts."""
     plan = expanded_expert_plan(model, layout)
-    apply_expert_parallelism(model, ep_mesh, tp_mesh, plan)
     return [model.get_submodule(name) for name, style in plan.items() if style == EXPERTS_MODULE_STYLE]
