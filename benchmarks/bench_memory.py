@@ -30,18 +30,23 @@ class Case:
     """One configuration: the model, the layout and the step's shape."""
 
     model: str  # untied | tied | moe | lora (the untied Llama with LoRA adapters) | qlora (4-bit, with them)
-    layout: str  # one | ddp | fsdp2 | tp | fsdp_tp | hsdp | cp | cp_dp | ep | ep_dp | ep_tp
+    layout: (
+        str  # one | ddp | fsdp2 | tp | fsdp_tp | hsdp | cp | cp_dp | ep | ep_dp | ep_tp | pp_gpipe | pp_1f1b | pp_dp
+    )
     rows: int
     tokens: int
     recompute: bool = False
+    micro_batches: int = 1
 
     @property
     def ranks(self) -> int:
-        return {"one": 1, "fsdp_tp": 4, "hsdp": 4, "cp_dp": 4, "ep_dp": 4, "ep_tp": 4}.get(self.layout, 2)
+        four = ("fsdp_tp", "hsdp", "cp_dp", "ep_dp", "ep_tp", "pp_dp")
+        return 1 if self.layout == "one" else 4 if self.layout in four else 2
 
     def label(self) -> str:
         recomputed = ", recomputed" if self.recompute else ""
-        return f"{self.model}, {self.layout} × {self.ranks}, {self.rows} × {self.tokens} tokens{recomputed}"
+        batches = f" × {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
+        return f"{self.model}, {self.layout} × {self.ranks}, {self.rows} × {self.tokens} tokens{batches}{recomputed}"
 
 
 CASES = {
@@ -91,6 +96,11 @@ CASES = {
             Case("qlora", "one", 4, 1024),
             Case("qlora", "fsdp2", 4, 1024),
             Case("qlora", "fsdp2", 2, 4096, recompute=True),
+            Case("untied", "pp_gpipe", 2, 512, micro_batches=4),
+            Case("tied", "pp_gpipe", 1, 2048, recompute=True, micro_batches=2),
+            Case("untied", "pp_1f1b", 2, 512, micro_batches=4),
+            Case("tied", "pp_1f1b", 1, 2048, recompute=True, micro_batches=2),
+            Case("untied", "pp_dp", 2, 1024, micro_batches=2),
         ],
         1,
     )
@@ -199,6 +209,9 @@ def _setup(case: Case) -> Any:
         "ep": lambda: DistributedSetup.build("fsdp2", 2, ep_size=2),
         "ep_dp": lambda: DistributedSetup.build("fsdp2", 4, ep_size=2),
         "ep_tp": lambda: DistributedSetup.build("fsdp2", 4, ep_size=2, tp_size=2),
+        "pp_gpipe": lambda: DistributedSetup.build("fsdp2", 2, pp_size=2, pp_schedule="gpipe"),
+        "pp_1f1b": lambda: DistributedSetup.build("fsdp2", 2, pp_size=2, pp_schedule="1f1b"),
+        "pp_dp": lambda: DistributedSetup.build("fsdp2", 4, pp_size=2, pp_schedule="1f1b"),
     }
     return builds[case.layout]()
 
@@ -206,7 +219,7 @@ def _setup(case: Case) -> Any:
 def _shape(case: Case) -> Any:
     from nemo_wrap.memory import TrainingShape
 
-    return TrainingShape(case.rows, case.tokens, activation_checkpointing=case.recompute)
+    return TrainingShape(case.rows, case.tokens, case.micro_batches, activation_checkpointing=case.recompute)
 
 
 def measure(kind: str) -> dict[str, Any]:
@@ -231,7 +244,10 @@ def measure(kind: str) -> dict[str, Any]:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = torch.randint(0, 8192, (case.rows, case.tokens), generator=torch.Generator().manual_seed(0))
     peak = second_step_peak(
-        model, optimizer, [{"input_ids": rows}], lambda batches: train_step(model, optimizer, batches)
+        model,
+        optimizer,
+        [{"input_ids": rows}] * case.micro_batches,
+        lambda batches: train_step(model, optimizer, batches),
     )
     return {"peak": peak["Total"]}
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
@@ -36,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
 from nemo_wrap.auto.auto_model import dry_run_pipeline
+from nemo_wrap.auto.pipeline import LoadPipeline
 from nemo_wrap.distributed.collectives import collective_device
 from nemo_wrap.distributed.combinations import Feature
 from nemo_wrap.distributed.modules import decoder_layers
@@ -50,6 +52,7 @@ from nemo_wrap.memory.cost import ModelSizes
 from nemo_wrap.memory.fake_allocations import LargeAllocationsFake
 from nemo_wrap.memory.fake_kernels import GroupedMatmulInAnyFloat
 from nemo_wrap.memory.layer_sampling import LayerSampling, layers_alike, sample_layers, with_depth
+from nemo_wrap.memory.pipeline_stages import ReceivesDeliverOnes, declared_stage_tensors
 from nemo_wrap.memory.prediction import MemoryCategory, RankMemory, StepPhase, TrainingShape
 from nemo_wrap.memory.tracking import second_step_peaks_by_phase
 from nemo_wrap.training.step import step_with_label_count
@@ -125,9 +128,24 @@ def _dry_run(
     cast(HasModelState, model).nemo_state.load_report = LoadReport(pipeline.plan, provenance={})
     # outside the mode, what the step creates from real inputs stays real (positions, labels):
     # transformers takes a fake position for tracing and would build masks the real step skips
-    experts = pipeline.plan.experts
-    with balanced_routing(model, experts) if experts is not None else contextlib.nullcontext():
+    with _data_independent_step(model, pipeline):
         return model, _step_peaks(model, shape, dp_size, fake_mode)
+
+
+@contextlib.contextmanager
+def _data_independent_step(model: PreTrainedModel, pipeline: LoadPipeline) -> Iterator[None]:
+    """What the step reads from values made independent of them: experts routed evenly (expert
+    parallel), the tensors between pipeline stages declared and every receive delivering ones."""
+    with contextlib.ExitStack() as stack:
+        if pipeline.plan.experts is not None:
+            stack.enter_context(balanced_routing(model, pipeline.plan.experts))
+        state = cast(HasModelState, model).nemo_state
+        if state.pipeline is not None:
+            plan = pipeline.plan
+            declared = declared_stage_tensors(pipeline.config, plan.precision, plan.loss.path)
+            state.pipeline = dataclasses.replace(state.pipeline, declared=declared)
+            stack.enter_context(ReceivesDeliverOnes())
+        yield
 
 
 def _step_peaks(
@@ -140,8 +158,11 @@ def _step_peaks(
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rows = torch.zeros(shape.batch_size, shape.seq_len, dtype=torch.long)
     # from the second micro-batch on, each holds what the second holds (the gradients accumulated
-    # so far, one micro-batch's activations): two stand for any number
-    micro_batches = [{"input_ids": rows} for _ in range(min(shape.accumulation, 2))]
+    # so far, one micro-batch's activations): two stand for any number, except in a pipeline,
+    # whose schedule keeps several in flight
+    pipelined = cast(HasModelState, model).nemo_state.pipeline is not None
+    count = shape.accumulation if pipelined else min(shape.accumulation, 2)
+    micro_batches = [{"input_ids": rows} for _ in range(count)]
     label_tokens = shape.batch_size * (shape.seq_len - 1) * shape.accumulation * dp_size
     with GroupedMatmulInAnyFloat(), LargeAllocationsFake(fake_mode):  # outside the tracker (see the modules)
         by_phase = second_step_peaks_by_phase(
@@ -156,10 +177,15 @@ def _step_peaks(
     }
 
 
-def layer_sampling(path_or_config: str | Path | PretrainedConfig, options: LoadOptions) -> LayerSampling:
-    """Which depths the dry runs trace, decided on the model as one process builds it on meta."""
+def layer_sampling(
+    path_or_config: str | Path | PretrainedConfig, options: LoadOptions, setup: DistributedSetup
+) -> LayerSampling:
+    """Which depths the dry runs trace, decided on the model as one process builds it on meta.
+    Pipeline stages are traced whole: a stage builds only its own layers, and which ones comes
+    from the full model's split over the stages, which a cut model would not keep."""
     model = _model_on_meta(path_or_config, options)
-    return sample_layers(model.config.num_hidden_layers, layers_alike(decoder_layers(model), model.config))
+    alike = layers_alike(decoder_layers(model), model.config) and setup.degrees.pp == 1
+    return sample_layers(model.config.num_hidden_layers, alike)
 
 
 def model_sizes(path_or_config: str | Path | PretrainedConfig, options: LoadOptions) -> ModelSizes:

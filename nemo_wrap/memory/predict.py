@@ -63,7 +63,7 @@ def predict_memory(
     ranks = _ranks(setup.world_size) if ranks is None else tuple(ranks)
     if not ranks or any(not 0 <= rank < setup.world_size for rank in ranks):
         raise InvalidSetupError(f"predict_memory: ranks {ranks} are not ranks of a world of {setup.world_size}")
-    sampling = layer_sampling(path_or_config, options)
+    sampling = layer_sampling(path_or_config, options, setup)
     # the setup copied without this process's mesh: it pickles
     job = (path_or_config, dataclasses.replace(setup), options, shape)
     per_rank, traced = _traced_ranks(job, ranks, sampling)
@@ -113,7 +113,6 @@ def _refuse_untraced(setup: DistributedSetup, options: LoadOptions) -> None:
     untraced = {
         "DDP with tensor parallel": Feature.REPLICATED in traits and degrees.tp > 1,
         f"strategy {setup.strategy!r} (flat parameter buffers)": Feature.FLAT_BUFFERS in traits,
-        f"pipeline parallel (pp={degrees.pp})": degrees.pp > 1,
     }
     refused = [name for name, applies in untraced.items() if applies]
     if refused:

@@ -5,9 +5,9 @@ run also takes the peak of the forward and backward apart from the optimizer ste
 with the model's depth at its own rate (:mod:`.layer_sampling`).
 
 Two limits of torch's tracker (2.13) are met here rather than refused: it takes one forward of the
-root module per tracked region (gradient accumulation runs several), and it registers a gradient
-hook on every parameter, which torch refuses on a parameter that takes no gradient (LoRA's frozen
-base weights)."""
+root module per tracked region (gradient accumulation runs several, and a pipeline schedule runs
+its stage once per micro-batch before their backwards), and it registers a gradient hook on every
+parameter, which torch refuses on a parameter that takes no gradient (LoRA's frozen base weights)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,15 @@ class _StepMemTracker(MemTracker):
     def restart_peak(self) -> None:
         self._peak_mem_snap = self.get_tracker_snapshot()
         self._peak_mem = {device: snapshot["Total"] for device, snapshot in self._peak_mem_snap.items()}
+
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: object) -> None:
+        """A root module's forward again before the backward (a pipeline stage's next micro-batch)
+        starts its statistics over, where torch's tracker would take it for a next iteration."""
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
 
     def _track_module_params_and_buffers(
         self, module: torch.nn.Module, install_grad_hooks: bool = True

@@ -77,6 +77,7 @@ def test_each_phase_has_its_line_and_the_steeper_one_wins_past_the_sampled_depth
 
 def test_a_line_that_misses_the_peak_at_the_check_depth_asks_for_the_whole_trace():
     """Within one phase a steeper moment takes over between the sampled depths and the check."""
+
     def steeper_from_ten(depth: int) -> RankMemory:
         return max(_rank(depth, 10, 500), _rank(depth, 30, 320), key=lambda rank: rank.peak_bytes)
 
@@ -108,9 +109,12 @@ def test_a_config_cut_to_a_depth_cuts_its_per_layer_lists_and_leaves_the_origina
     assert (config.num_hidden_layers, len(config.layer_types)) == (10, 10)
 
 
-def test_a_deep_model_is_sampled_and_a_shallow_one_traced_whole():
-    assert layer_sampling(_llama(), _options()).traced_depths == (*SAMPLED_DEPTHS, CHECK_DEPTH)
-    assert layer_sampling(_llama(TRACED_WHOLE_UP_TO), _options()).traced_depths == (TRACED_WHOLE_UP_TO,)
+def test_a_deep_model_is_sampled_and_a_shallow_one_or_a_pipeline_stage_traced_whole():
+    one = DistributedSetup.single_process()
+    assert layer_sampling(_llama(), _options(), one).traced_depths == (*SAMPLED_DEPTHS, CHECK_DEPTH)
+    assert layer_sampling(_llama(TRACED_WHOLE_UP_TO), _options(), one).traced_depths == (TRACED_WHOLE_UP_TO,)
+    staged = DistributedSetup.build("fsdp2", 2, pp_size=2)
+    assert layer_sampling(_llama(), _options(), staged).traced_depths == (_llama().num_hidden_layers,)
 
 
 def _options() -> LoadOptions:

@@ -3,7 +3,9 @@
 The engine is torch's (``torch.distributed.pipelining``): a ``PipelineStage`` over the stage's
 :class:`~nemo_wrap.distributed.pipeline.stage_model.PipelineStageModule` and a ``ScheduleGPipe`` or
 ``Schedule1F1B``. torch infers the tensors that travel between stages on a schedule's first step
-and keeps them, so one schedule is kept per micro-batch shape (and per train/eval).
+and keeps them, so one schedule is kept per micro-batch shape (and per train/eval). Where they are
+declared instead (:class:`StageTensors`: the memory prediction's dry run, whose fake process group
+carries no inference), torch takes them as given.
 """
 
 from __future__ import annotations
@@ -24,6 +26,28 @@ _SCHEDULE_CLASSES = {PipelineSchedule.GPIPE: ScheduleGPipe, PipelineSchedule.ONE
 LossFunction = Callable[..., torch.Tensor]
 
 
+@dataclass(frozen=True)
+class StageTensors:
+    """What travels between stages, declared: hidden states of ``hidden_size`` in ``dtype`` between
+    every two stages; the last stage's output is its chunked loss sum (one fp32 value) when
+    ``chunked_loss``, else the logits over ``vocab_size``."""
+
+    hidden_size: int
+    dtype: torch.dtype
+    vocab_size: int
+    chunked_loss: bool
+
+    def of_stage(self, layout: StageLayout, rows: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stage's input and output for micro-batches of ``rows × tokens``, as meta tensors."""
+        hidden = torch.empty(rows, tokens, self.hidden_size, dtype=self.dtype, device="meta", requires_grad=True)
+        ids = torch.empty(rows, tokens, dtype=torch.long, device="meta")
+        if not layout.is_last:
+            return (ids if layout.is_first else hidden), hidden
+        shape = (1,) if self.chunked_loss else (rows, tokens, self.vocab_size)
+        output = torch.empty(shape, dtype=torch.float32 if self.chunked_loss else self.dtype, device="meta")
+        return (ids if layout.is_first else hidden), output.requires_grad_()
+
+
 @dataclass
 class PipelineRuntime:
     """One rank's stage: where it sits, who it talks to, and the schedules that drive it.
@@ -41,6 +65,7 @@ class PipelineRuntime:
     group: dist.ProcessGroup
     stage_group: dist.ProcessGroup
     tie_group: dist.ProcessGroup | None
+    declared: StageTensors | None = None
     _schedules: dict[tuple, PipelineScheduleSingle] = field(default_factory=dict, repr=False)
 
     @property
@@ -55,7 +80,9 @@ class PipelineRuntime:
         key = (shape, micro_batches, loss_fn is None)
         if key not in self._schedules:
             device = collective_device()
-            stage = PipelineStage(self.module, self.layout.index, self.layout.stages, device, group=self.group)
+            inputs, outputs = (None, None) if self.declared is None else self.declared.of_stage(self.layout, *shape)
+            index, stages = self.layout.index, self.layout.stages
+            stage = PipelineStage(self.module, index, stages, device, inputs, outputs, group=self.group)
             name = self.schedule if loss_fn is not None else PipelineSchedule.GPIPE
             self._schedules[key] = _SCHEDULE_CLASSES[name](stage, micro_batches, loss_fn=loss_fn, scale_grads=False)
         return self._schedules[key]
