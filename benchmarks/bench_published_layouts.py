@@ -7,8 +7,9 @@ projects' defaults where the file is silent). Where the published layout checkpo
 only (torchtitan's ``selective``), both bounds are predicted: no checkpointing (above it) and every
 layer recomputed (below it). float8 layouts are predicted in bf16 (more memory, never less). Expert
 parallel is predicted with tokens spread evenly over the experts (as Automodel's own benchmark runs
-them: ``fake_balanced_gate``). Layouts with pipeline parallelism are listed as not yet predicted:
-the dry run refuses them.
+them: ``fake_balanced_gate``). Pipeline layouts are predicted with nemo_wrap's schedule, 1F1B with
+one stage per rank, over the micro-batches one schedule runs; the projects run interleaved
+schedules (several stages per rank), which nemo_wrap does not build.
 Run: ``python -m benchmarks --only published_layouts`` (about 15 minutes on 2 cores).
 """
 
@@ -25,6 +26,9 @@ TT = "https://github.com/pytorch/torchtitan/blob/238fa9953e4aec2a62582121564273d
 TT_NEW = "https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/"
 AM = "https://github.com/NVIDIA-NeMo/Automodel/blob/36044ad3d139363fb6c73c24af2e7c6b65ec52f6/"
 AM_MOE = "https://github.com/NVIDIA-NeMo/Automodel/blob/485651984cd97a508cc6e4be16f7fa5efdffa931/"
+AM_PP = "https://github.com/NVIDIA-NeMo/Automodel/blob/9ea4d1ce6bc7f966144527d1c94c3ca081f477dc/"
+AM_MIXTRAL = "https://github.com/NVIDIA-NeMo/Automodel/blob/604375acc4dd0fec46e3490bc66535f98ddcc832/"
+NEMO = "https://github.com/NVIDIA/NeMo/blob/8cfedd7203462cb251a914e700e5605444277561/"
 
 
 def _llama(hidden: int, intermediate: int, layers: int, heads: int) -> Any:
@@ -62,10 +66,29 @@ def _qwen3_30b_a3b() -> Any:
     )
 
 
+def _mixtral_8x7b() -> Any:
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+    )
+
+
 MODELS = {
     "Llama-3-8B": lambda: _llama(4096, 14336, 32, 32),
     "Llama-3-70B": lambda: _llama(8192, 28672, 80, 64),
     "Llama-3.1-405B": lambda: _llama(16384, 53248, 126, 128),
+    "Mixtral-8x7B": _mixtral_8x7b,
     "Qwen3-30B-A3B": _qwen3_30b_a3b,
 }
 
@@ -87,18 +110,21 @@ class Published:
     lora_rank: int = 0
     device_gib: int = 80  # the named GPU's memory; 80 GB where the source does not say
     ep: int = 1
+    pp: int = 1  # stages, run by 1F1B
+    micro_batches: int = 1  # per pipeline schedule
 
     def setup(self) -> Any:
         from nemo_wrap import DistributedSetup
 
         if self.gpus == 1:
             return DistributedSetup.single_process()
-        return DistributedSetup.build("fsdp2", self.gpus, tp_size=self.tp, cp_size=self.cp, ep_size=self.ep)
+        degrees = {"tp_size": self.tp, "cp_size": self.cp, "ep_size": self.ep, "pp_size": self.pp}
+        return DistributedSetup.build("fsdp2", self.gpus, **degrees)
 
     def degrees(self) -> str:
-        parts = [f"fsdp {self.gpus // (self.tp * self.cp)}"] if self.gpus > 1 else ["one GPU"]
-        parts += [f"tp {self.tp}"] * (self.tp > 1) + [f"cp {self.cp}"] * (self.cp > 1)
-        return " × ".join(parts + [f"ep {self.ep}"] * (self.ep > 1))
+        parts = [f"fsdp {self.gpus // (self.tp * self.cp * self.pp)}"] if self.gpus > 1 else ["one GPU"]
+        named = (("tp", self.tp), ("cp", self.cp), ("pp", self.pp), ("ep", self.ep))
+        return " × ".join(parts + [f"{name} {size}" for name, size in named if size > 1])
 
     def options(self) -> Any:
         from peft import LoraConfig
@@ -279,20 +305,76 @@ PUBLISHED = [
         "bf16-mixed",
         ep=8,
     ),
-]
-
-NOT_YET = [
-    ("Llama-3.1-405B", "torchtitan benchmark, table 5: 512 H100, fsdp 8 × tp 8 × pp 8", "pipeline parallel"),
-    ("Llama-3-70B", "Automodel `llama3_70b_pretrain.yaml`: 32 GPUs, dp 2 × tp 4 × pp 4", "pipeline parallel"),
-    ("Mixtral-8x7B", "Automodel `mixtral-8x7b-v0-1_squad.yaml`: 32 GPUs, dp 4 × pp 8", "pipeline parallel"),
-    ("Mixtral-8x7B", "NeMo `mixtral_8x7b.py`: 64 GPUs, pp 4 × ep 8", "pipeline parallel"),
+    Published(
+        "Llama-3.1-405B",
+        _link("torchtitan benchmark, table 5", TT_NEW, "benchmarks/llama3_h100_202412_torchtitan.md"),
+        "512 H100 96 GB",
+        512,
+        8,
+        1,
+        1,
+        8192,
+        "full",
+        "bf16-mixed",
+        device_gib=96,
+        pp=8,
+        micro_batches=32,
+    ),
+    Published(
+        "Llama-3-70B",
+        _link("Automodel `llama3_70b_pretrain.yaml`", AM_PP, "examples/llm_pretrain/llama3_70b_pretrain.yaml"),
+        "not named: 32 GPUs",
+        32,
+        4,
+        1,
+        1,
+        4096,
+        "full",
+        "bf16",
+        pp=4,
+        micro_batches=4,
+    ),
+    Published(
+        "Mixtral-8x7B",
+        _link(
+            "Automodel `mixtral-8x7b-v0-1_squad.yaml`",
+            AM_MIXTRAL,
+            "examples/llm_finetune/mistral/mixtral-8x7b-v0-1_squad.yaml",
+        ),
+        "32 H200",
+        32,
+        1,
+        1,
+        4,
+        1024,
+        "none",
+        "bf16",
+        device_gib=140,
+        pp=8,
+        micro_batches=8,
+    ),
+    Published(
+        "Mixtral-8x7B",
+        _link("NeMo `mixtral_8x7b.py`", NEMO, "nemo/collections/llm/recipes/mixtral_8x7b.py"),
+        "64 GPUs",
+        64,
+        1,
+        1,
+        1,
+        4096,
+        "none",
+        "bf16-mixed",
+        ep=8,
+        pp=4,
+        micro_batches=32,
+    ),
 ]
 
 
 def _peak(layout: Published, recompute: bool) -> int:
     from nemo_wrap.memory import TrainingShape, predict_memory
 
-    shape = TrainingShape(layout.rows, layout.seq_len, activation_checkpointing=recompute)
+    shape = TrainingShape(layout.rows, layout.seq_len, layout.micro_batches, activation_checkpointing=recompute)
     ranks = sorted({0, layout.gpus - 1})  # the last rank's shards are the smallest where sizes do not divide
     return predict_memory(MODELS[layout.model](), layout.setup(), shape, layout.options(), ranks=ranks).peak_bytes
 
@@ -314,14 +396,15 @@ def table() -> Table:
         ["model", "hardware", "degrees", "rows × tokens", "checkpointing", "precision", "predicted GiB per GPU"],
     )
     for layout in PUBLISHED:
-        tokens = f"{layout.rows} × {layout.seq_len}"
+        tokens = f"{layout.rows} × {layout.seq_len}" + (
+            f", {layout.micro_batches} in the pipeline" if layout.pp > 1 else ""
+        )
         lora = f", LoRA r {layout.lora_rank}" if layout.lora_rank else ""
         started = time.perf_counter()
         predicted = _predicted(layout)
         print(layout.model, layout.degrees(), predicted, f"{time.perf_counter() - started:.0f} s", flush=True)
         cells = [layout.model, layout.hardware, layout.degrees(), tokens, layout.checkpointing]
         result.rows.append([layout.source, *cells, layout.precision + lora, predicted])
-    result.rows += [[source, model, "", "", "", "", "", f"not predicted yet: {why}"] for model, source, why in NOT_YET]
     result.note = (
         "Predicted: `predict_memory` on the model's config (no weights), the first and last rank, the peak of the "
         "higher; against the named GPU's memory, 80 GiB where the source names none. `selective`: torchtitan "
@@ -329,7 +412,9 @@ def table() -> Table:
         "Precision `bf16-mixed`: fp32 parameters and AdamW state, bf16 compute (torchtitan's default); `bf16`: bf16 "
         "parameters and state (Automodel's `torch_dtype: bfloat16` with Adam). Deep models are dry-run at depths 4 "
         "and 5 and extrapolated (docs/memory.md). Tensor parallel is nemo_wrap's, without sequence parallel: the "
-        "layer inputs that checkpointing keeps are whole on every tensor-parallel rank."
+        "layer inputs that checkpointing keeps are whole on every tensor-parallel rank. Pipeline layouts: 1F1B, one "
+        "stage per rank (the sources run interleaved 1F1B); torchtitan measured 82.5 GiB for its 405B layout with "
+        "1F1B (float8, torch.compile, asynchronous TP with sequence parallel)."
     )
     return result
 

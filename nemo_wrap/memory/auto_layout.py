@@ -158,9 +158,8 @@ def choose_layout(
         raise InvalidSetupError(f"choose_layout: margin must be in [0, 1), got {margin!r}")
     options = options or LoadOptions()
     sizes = model_sizes(path_or_config, options)
-    costed = [
-        (layout, step_cost(layout, sizes, machine, seq_len)) for layout in candidate_layouts(machine, global_batch)
-    ]
+    layouts = candidate_layouts(machine, global_batch, sizes.layers, sizes.experts)
+    costed = [(layout, step_cost(layout, sizes, machine, seq_len)) for layout in layouts]
     if not costed:
         raise InvalidSetupError(
             f"choose_layout: no layout of {machine.world_size} ranks shares {global_batch} rows evenly"

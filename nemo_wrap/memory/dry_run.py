@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import cast
 
@@ -40,6 +40,9 @@ from nemo_wrap.auto.auto_model import dry_run_pipeline
 from nemo_wrap.auto.pipeline import LoadPipeline
 from nemo_wrap.distributed.collectives import collective_device
 from nemo_wrap.distributed.combinations import Feature
+from nemo_wrap.distributed.expert_parallel import ExpertLayout
+from nemo_wrap.distributed.expert_parallel.layout import EXPERTS_MODULE_STYLE, declared_expert_plan, expert_count
+from nemo_wrap.distributed.expert_parallel.sharding import experts_modules
 from nemo_wrap.distributed.modules import decoder_layers
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import MemoryPredictionError
@@ -195,15 +198,36 @@ def model_sizes(path_or_config: str | Path | PretrainedConfig, options: LoadOpti
     config = model.config
     heads = config.num_attention_heads
     head_size = getattr(config, "head_dim", None) or config.hidden_size // heads
+    experts = _experts_modules(model)
+    expert_parameters = [p for module in experts for p in module.parameters()]
     return ModelSizes(
         parameters=sum(p.numel() for p in parameters),
-        parameter_bytes=sum(p.numel() * p.element_size() for p in parameters),
-        trainable_bytes=sum(p.numel() * p.element_size() for p in parameters if p.requires_grad),
+        parameter_bytes=_bytes(parameters),
+        trainable_bytes=_bytes(p for p in parameters if p.requires_grad),
         hidden_size=config.hidden_size,
         kv_size=(getattr(config, "num_key_value_heads", None) or heads) * head_size,
         layers=config.num_hidden_layers,
         activation_bytes=max(p.element_size() for p in parameters if p.is_floating_point()),
+        experts=expert_count(config) if experts else 0,
+        experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0,
+        moe_layers=len(experts),
+        expert_bytes=_bytes(expert_parameters),
+        expert_trainable_bytes=_bytes(p for p in expert_parameters if p.requires_grad),
     )
+
+
+def _experts_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The modules expert parallel would dispatch tokens to (none for a dense model, or a family
+    transformers declares no expert-parallel plan for)."""
+    plan = declared_expert_plan(type(model))
+    count = expert_count(model.config)
+    if not count or EXPERTS_MODULE_STYLE not in plan.values():
+        return []
+    return experts_modules(model, ExpertLayout(count, 1, 1, tuple(plan.items())))
+
+
+def _bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _model_on_meta(path_or_config: str | Path | PretrainedConfig, options: LoadOptions) -> PreTrainedModel:

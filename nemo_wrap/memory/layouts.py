@@ -1,13 +1,14 @@
 """The layouts ``--auto`` chooses among: the ways to run one job on one machine that the dry run
 can predict.
 
-A layout is the setup's degrees (strategy, tensor-parallel, context-parallel, HSDP replicas),
-whether each decoder layer recomputes its activations in the backward, and the micro-batch. The
+A layout is the setup's degrees (strategy, tensor-parallel, context-parallel, HSDP replicas,
+pipeline stages, expert-parallel), whether each decoder layer recomputes its activations in the
+backward, and the micro-batch. The
 job stays the one the user asked for: every layout takes the same rows per optimizer step over
 all data-parallel ranks (the global batch) of the same tokens, so they train the same steps and
-differ only in memory and cost. Not enumerated: tensor parallel across nodes (its per-layer
-exchanges would run at the inter-node speed), pipeline parallel and Megatron-FSDP (the dry run
-cannot trace them yet), expert parallel (the cost model has no term for its all-to-all yet).
+differ only in memory and cost. A pipeline runs 1F1B over a step's micro-batches, so it takes at
+least one micro-batch per stage. Not enumerated: tensor parallel across nodes (its per-layer
+exchanges would run at the inter-node speed), Megatron-FSDP (the dry run cannot trace it).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.memory.prediction import TrainingShape
 
-# (strategy, tp, cp, HSDP replicas): what a layout shards by
-Degrees = tuple[str, int, int, int]
+# (strategy, tp, cp, HSDP replicas, pp, ep): what a layout shards by
+Degrees = tuple[str, int, int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,18 @@ class Layout:
     tp: int = 1
     cp: int = 1
     dp_replicate: int = 1
+    pp: int = 1
+    ep: int = 1
 
     def setup(self, world_size: int) -> DistributedSetup:
         return DistributedSetup.build(
-            self.strategy, world_size, tp_size=self.tp, cp_size=self.cp, dp_replicate_size=self.dp_replicate
+            self.strategy,
+            world_size,
+            tp_size=self.tp,
+            cp_size=self.cp,
+            dp_replicate_size=self.dp_replicate,
+            pp_size=self.pp,
+            ep_size=self.ep,
         )
 
     def shape(self, seq_len: int) -> TrainingShape:
@@ -72,10 +81,11 @@ class Layout:
     @property
     def degrees(self) -> Degrees:
         """What the layout shards by: variants of the same degrees differ in batch and recompute only."""
-        return (self.strategy, self.tp, self.cp, self.dp_replicate)
+        return (self.strategy, self.tp, self.cp, self.dp_replicate, self.pp, self.ep)
 
     def describe(self) -> str:
-        degrees = [f"{name} {size}" for name, size in (("tp", self.tp), ("cp", self.cp)) if size > 1]
+        named = (("tp", self.tp), ("cp", self.cp), ("pp", self.pp), ("ep", self.ep))
+        degrees = [f"{name} {size}" for name, size in named if size > 1]
         if self.dp_replicate > 1:
             degrees.append(f"{self.dp_replicate} replicas")
         recomputed = ", recomputed" if self.activation_checkpointing else ""
@@ -89,6 +99,10 @@ class Layout:
         if machine.nnodes == 1:
             distributed["nproc"] = machine.nproc_per_node
         distributed.update(tp_size=self.tp, cp_size=self.cp, dp_replicate_size=self.dp_replicate)
+        if self.pp > 1:
+            distributed.update(pp_size=self.pp, pp_schedule="1f1b")
+        if self.ep > 1:
+            distributed["ep_size"] = self.ep
         training = {
             "batch_size": self.micro_batch,
             "accumulation": self.accumulation,
@@ -97,37 +111,51 @@ class Layout:
         return {"distributed": distributed, "training": training}
 
 
-def candidate_layouts(machine: Machine, global_batch: int) -> tuple[Layout, ...]:
-    """Every layout of ``machine`` that takes ``global_batch`` rows a step: each degree combination
-    whose data-parallel ranks share the rows evenly, with every micro-batch that divides a rank's
-    rows, with and without recomputing activations."""
+def candidate_layouts(machine: Machine, global_batch: int, layers: int, experts: int) -> tuple[Layout, ...]:
+    """Every layout of ``machine`` that takes ``global_batch`` rows a step, for a model of ``layers``
+    decoder layers and ``experts`` experts a MoE layer (0: dense): each degree combination whose
+    data-parallel ranks share the rows evenly, with every micro-batch that divides a rank's rows
+    (a pipeline's micro-batches at least its stages), with and without recomputing activations."""
     layouts = []
-    for strategy, tp, cp, replicas in _degree_combinations(machine):
-        data_parallel = machine.world_size // (tp * cp)
+    for strategy, tp, cp, replicas, pp, ep in _degree_combinations(machine, layers, experts):
+        data_parallel = machine.world_size // (tp * cp * pp)
         if global_batch % data_parallel:
             continue
         rows = global_batch // data_parallel
-        for micro_batch in (size for size in range(rows, 0, -1) if rows % size == 0):
+        for micro_batch in (size for size in range(rows, 0, -1) if rows % size == 0 and rows // size >= pp):
             for recompute in (False, True):
-                layouts.append(Layout(strategy, micro_batch, rows // micro_batch, recompute, tp, cp, replicas))
+                batches = rows // micro_batch
+                layouts.append(Layout(strategy, micro_batch, batches, recompute, tp, cp, replicas, pp, ep))
     return tuple(layouts)
 
 
-def _degree_combinations(machine: Machine) -> list[Degrees]:
-    """(strategy, tp, cp, replicas): DDP; fsdp2 with tp within a node and cp over what is left;
-    on several nodes also HSDP with one replica per node (shards within the node). One rank runs
-    what ``nemo-wrap finetune`` runs there: fsdp2 on a world of one."""
+def _degree_combinations(machine: Machine, layers: int, experts: int) -> list[Degrees]:
+    """(strategy, tp, cp, replicas, pp, ep): DDP; fsdp2 with tp within a node, pipeline stages (up
+    to one a layer) and cp over what is left; on several nodes also HSDP with one replica per node
+    (shards within the node); for a MoE model, each of those with every expert-parallel degree
+    that divides the experts and the ranks that share a batch's data (``dp_shard × tp``). One
+    rank runs what ``nemo-wrap finetune`` runs there: fsdp2 on a world of one."""
     world = machine.world_size
-    combinations = [("ddp", 1, 1, 1)] if world > 1 else []
+    combinations = [("ddp", 1, 1, 1, 1, 1)] if world > 1 else []
     for tp in _divisors(world):
         if tp > machine.nproc_per_node:
             continue
-        for cp in _divisors(world // tp):
-            combinations.append(("fsdp2", tp, cp, 1))
-            data_parallel = world // (tp * cp)
-            if machine.nnodes > 1 and data_parallel % machine.nnodes == 0 and data_parallel > machine.nnodes:
-                combinations.append(("fsdp2", tp, cp, machine.nnodes))
+        for pp in (size for size in _divisors(world // tp) if size <= layers):
+            for cp in _divisors(world // (tp * pp)):
+                data_parallel = world // (tp * cp * pp)
+                replicas = [1]
+                if machine.nnodes > 1 and data_parallel % machine.nnodes == 0 and data_parallel > machine.nnodes:
+                    replicas.append(machine.nnodes)
+                for replica in replicas:
+                    shards = data_parallel // replica
+                    for ep in _expert_degrees(experts, shards * tp):
+                        combinations.append(("fsdp2", tp, cp, replica, pp, ep))
     return combinations
+
+
+def _expert_degrees(experts: int, ranks: int) -> list[int]:
+    """1, and for a MoE model every degree that divides both its experts and ``ranks``."""
+    return [1] + [size for size in _divisors(ranks) if size > 1 and experts and experts % size == 0]
 
 
 def _divisors(number: int) -> list[int]:

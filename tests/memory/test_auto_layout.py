@@ -45,25 +45,39 @@ def _config() -> LlamaConfig:
 
 def test_every_candidate_trains_the_asked_rows_per_step_on_the_machine():
     machine = Machine(nproc_per_node=2, device_memory=MIB, nnodes=2)
-    layouts = candidate_layouts(machine, global_batch=8)
+    layouts = candidate_layouts(machine, global_batch=8, layers=4, experts=0)
     for layout in layouts:
-        data_parallel = machine.world_size // (layout.tp * layout.cp)
+        data_parallel = machine.world_size // (layout.tp * layout.cp * layout.pp)
         assert layout.micro_batch * layout.accumulation * data_parallel == 8
         assert layout.tp <= machine.nproc_per_node  # no tensor parallel across nodes
+        assert layout.accumulation >= layout.pp  # 1F1B: a micro-batch per stage at least
         assert layout.setup(machine.world_size).world_size == 4
     degrees = {layout.degrees for layout in layouts}
+    # (strategy, tp, cp, replicas, pp, ep)
     assert degrees == {
-        ("ddp", 1, 1, 1),
-        ("fsdp2", 1, 1, 1),
-        ("fsdp2", 1, 1, 2),  # HSDP: a replica per node
-        ("fsdp2", 1, 2, 1),
-        ("fsdp2", 1, 4, 1),
-        ("fsdp2", 2, 1, 1),
-        ("fsdp2", 2, 2, 1),
+        ("ddp", 1, 1, 1, 1, 1),
+        ("fsdp2", 1, 1, 1, 1, 1),
+        ("fsdp2", 1, 1, 2, 1, 1),  # HSDP: a replica per node
+        ("fsdp2", 1, 2, 1, 1, 1),
+        ("fsdp2", 1, 4, 1, 1, 1),
+        ("fsdp2", 2, 1, 1, 1, 1),
+        ("fsdp2", 2, 2, 1, 1, 1),
+        ("fsdp2", 1, 1, 1, 2, 1),  # pipelines of 2 and 4 stages
+        ("fsdp2", 1, 2, 1, 2, 1),
+        ("fsdp2", 2, 1, 1, 2, 1),
+        ("fsdp2", 1, 1, 1, 4, 1),
     }
-    assert sum(layout.degrees == ("fsdp2", 1, 1, 1) for layout in layouts) == 2 * 2  # micro-batch 2 or 1, AC or not
+    plain = ("fsdp2", 1, 1, 1, 1, 1)
+    assert sum(layout.degrees == plain for layout in layouts) == 2 * 2  # micro-batch 2 or 1, AC or not
+    # 4 stages take the 8 rows as 4 or 8 micro-batches, never 2 or 1
+    assert {layout.accumulation for layout in layouts if layout.pp == 4} == {4, 8}
+    # experts: every degree dividing both the 4 experts and the ranks sharing a batch (dp_shard × tp)
+    moe = {layout.degrees for layout in candidate_layouts(machine, global_batch=8, layers=1, experts=4)}
+    assert {degrees[5] for degrees in moe if degrees[:5] == plain[:5]} == {1, 2, 4}
+    assert {degrees[5] for degrees in moe if degrees[:5] == ("fsdp2", 1, 2, 1, 1)} == {1, 2}
+    assert all(degrees[4] == 1 for degrees in moe)  # one layer: no pipeline
     # one rank: what finetune runs there, fsdp2 on a world of one
-    assert {layout.degrees for layout in candidate_layouts(Machine(1, MIB), 4)} == {("fsdp2", 1, 1, 1)}
+    assert {layout.degrees for layout in candidate_layouts(Machine(1, MIB), 4, layers=4, experts=0)} == {plain}
     with pytest.raises(InvalidSetupError, match="nproc_per_node"):
         Machine(nproc_per_node=0, device_memory=MIB)
 
@@ -81,9 +95,42 @@ def test_the_cost_model_charges_each_exchange_at_its_link_s_speed():
     assert dict(recomputed.parts)["recompute"] == pytest.approx(2 * 10**6 * (2 * SEQ_LEN * 4) / 4 / one_node.flops)
 
 
-def test_the_recipe_fragment_is_the_layout_s_job():
+def test_the_cost_model_charges_a_pipeline_its_bubble_and_expert_parallel_its_all_to_all():
+    node = Machine(nproc_per_node=4, device_memory=MIB, intra_node_bandwidth=100e9)
+    # 2 stages, 4 micro-batches of 1 row: 2 fsdp ranks gather half the weights; 1/4 of the arithmetic idle
+    staged = dict(step_cost(Layout("fsdp2", 1, 4, pp=2), SIZES, node, SEQ_LEN).parts)
+    assert staged["fsdp gather/scatter"] == pytest.approx(1 / 2 * (2 * 4 * 4e6 + 4e6) / 2 / 100e9)
+    arithmetic = 6 * 10**6 * (4 * SEQ_LEN * 2) / 4 / node.flops
+    assert staged["pp bubble"] == pytest.approx(1 / 4 * arithmetic)
+    assert staged["pp send/recv"] == pytest.approx(2 * 4 * SEQ_LEN * 256 * 4 / 100e9)
+    moe = ModelSizes(
+        **{
+            **vars(SIZES),
+            "experts": 8,
+            "experts_per_token": 2,
+            "moe_layers": 4,
+            "expert_bytes": 3 * 10**6,
+            "expert_trainable_bytes": 3 * 10**6,
+        }
+    )
+    routed = dict(step_cost(Layout("fsdp2", 2, 1, ep=4), moe, node, SEQ_LEN).parts)
+    assert routed["ep all-to-all"] == pytest.approx(4 * 4 * 3 / 4 * 2 * SEQ_LEN * 2 * 256 * 4 / 100e9)
+    # the dense quarter over 4 ranks; each rank's quarter of the experts whole (efsdp 1: nothing gathered)
+    assert routed["fsdp gather/scatter"] == pytest.approx(3 / 4 * (2 * 1e6 + 1e6) / 100e9)
+    assert "expert fsdp gather/scatter" not in routed
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout("fsdp2", 2, 3, activation_checkpointing=True, tp=2),
+        Layout("fsdp2", 1, 4, pp=2),
+        Layout("fsdp2", 2, 1, ep=2),
+    ],
+    ids=lambda layout: layout.describe(),
+)
+def test_the_recipe_fragment_is_the_layout_s_job(layout):
     machine = Machine(nproc_per_node=4, device_memory=MIB)
-    layout = Layout("fsdp2", 2, 3, activation_checkpointing=True, tp=2)
     settings = [
         Setting(f"{section}.{key}", value, "fragment")
         for section, keys in layout.recipe(machine).items()
@@ -135,14 +182,10 @@ def test_plan_auto_prints_a_fragment_that_finetune_reads(capsys, tmp_path):
     assert all(f"nemo-wrap {command}" in page.read_text() for page in (README, README.parent / "docs" / "memory.md"))
     assert main(command.split()) == 0
     chosen = json.loads(capsys.readouterr().out)["auto"]["chosen"]
-    assert (
-        chosen["distributed"]["nproc"] == 2
-        and chosen["training"]["batch_size"]
-        * chosen["training"]["accumulation"]
-        * 2
-        // (chosen["distributed"]["tp_size"] * chosen["distributed"]["cp_size"])
-        == 2 * 2
-    )
+    distributed, training = chosen["distributed"], chosen["training"]
+    held_by_one_replica = distributed["tp_size"] * distributed["cp_size"] * distributed.get("pp_size", 1)
+    assert distributed["nproc"] == 2
+    assert training["batch_size"] * training["accumulation"] * 2 // held_by_one_replica == 2 * 2
     fragment = tmp_path / "layout.yaml"
     fragment.write_text(yaml.safe_dump(chosen))
     assert main(["finetune", "--config", str(fragment), "--print-config"]) == 0
