@@ -380,12 +380,18 @@ def _peak(layout: Published, recompute: bool) -> int:
 
 
 def _predicted(layout: Published) -> str:
-    """The predicted peak per GPU, as bounds where the layout checkpoints selected ops only."""
+    """The predicted peak per GPU, as bounds where the layout checkpoints selected ops only; the
+    reason, where nemo_wrap refuses the layout."""
+    from nemo_wrap.errors import NeMoWrapError
+
     device = layout.device_gib * GIB
-    if layout.checkpointing != "selective":
-        peak = _peak(layout, layout.checkpointing == "full")
-        return f"{peak / GIB:.1f} ({'fits' if peak <= device else 'over'})"
-    above, below = _peak(layout, False), _peak(layout, True)
+    try:
+        if layout.checkpointing != "selective":
+            peak = _peak(layout, layout.checkpointing == "full")
+            return f"{peak / GIB:.1f} ({'fits' if peak <= device else 'over'})"
+        above, below = _peak(layout, False), _peak(layout, True)
+    except NeMoWrapError as error:
+        return f"not in nemo_wrap: {str(error).partition(': ')[2]}"
     verdict = "fits" if above <= device else ("fits recomputed" if below <= device else "over")
     return f"{below / GIB:.1f} – {above / GIB:.1f} ({verdict})"
 

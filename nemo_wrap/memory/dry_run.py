@@ -137,8 +137,9 @@ def _dry_run(
 
 @contextlib.contextmanager
 def _data_independent_step(model: PreTrainedModel, pipeline: LoadPipeline) -> Iterator[None]:
-    """What the step reads from values made independent of them: experts routed evenly (expert
-    parallel), the tensors between pipeline stages declared and every receive delivering ones."""
+    """Where a step reads values, which fake tensors do not have, fixed ones instead: experts
+    routed evenly (expert parallel); the tensors between pipeline stages declared, and every
+    receive delivering ones (pipeline parallel)."""
     with contextlib.ExitStack() as stack:
         if pipeline.plan.experts is not None:
             stack.enter_context(balanced_routing(model, pipeline.plan.experts))

@@ -76,6 +76,9 @@ def test_every_candidate_trains_the_asked_rows_per_step_on_the_machine():
     assert {degrees[5] for degrees in moe if degrees[:5] == plain[:5]} == {1, 2, 4}
     assert {degrees[5] for degrees in moe if degrees[:5] == ("fsdp2", 1, 2, 1, 1)} == {1, 2}
     assert all(degrees[4] == 1 for degrees in moe)  # one layer: no pipeline
+    # pipeline stages, but none beside expert parallel (the load refuses the two together)
+    deep = {layout.degrees for layout in candidate_layouts(machine, 8, layers=4, experts=4)}
+    assert any(degrees[4] > 1 for degrees in deep) and not any(degrees[4] > 1 and degrees[5] > 1 for degrees in deep)
     # one rank: what finetune runs there, fsdp2 on a world of one
     assert {layout.degrees for layout in candidate_layouts(Machine(1, MIB), 4, layers=4, experts=0)} == {plain}
     with pytest.raises(InvalidSetupError, match="nproc_per_node"):
