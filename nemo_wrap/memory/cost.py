@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nemo_wrap.distributed.combinations import Feature
+from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.memory.layouts import Layout, Machine
 
 
@@ -75,7 +77,7 @@ def step_cost(layout: Layout, sizes: ModelSizes, machine: Machine, seq_len: int)
     """The layout's cost per step on ``machine`` (see the module's docstring for each term)."""
     world, per_node = machine.world_size, machine.nproc_per_node
     setup = layout.setup(world)
-    parts = _data_parallel_parts(layout, setup.degrees.dp_shard, sizes, machine)
+    parts = _data_parallel_parts(layout, setup, sizes, machine)
     tokens = layout.micro_batch * seq_len // layout.cp  # per rank per micro-batch
     forwards = 2 if layout.activation_checkpointing else 1
     exchanges = layout.accumulation * (2 * forwards + 2)  # per layer: forward(s) and backward, two each
@@ -102,12 +104,15 @@ def step_cost(layout: Layout, sizes: ModelSizes, machine: Machine, seq_len: int)
     return StepCost(tuple(parts))
 
 
-def _data_parallel_parts(layout: Layout, dp_shard: int, sizes: ModelSizes, machine: Machine) -> list[tuple[str, float]]:
+def _data_parallel_parts(
+    layout: Layout, setup: DistributedSetup, sizes: ModelSizes, machine: Machine
+) -> list[tuple[str, float]]:
     """DDP's all-reduce, or FSDP's gathers and reduce-scatter (the experts' over their own ranks
     under expert parallel) and HSDP's all-reduce."""
     world, per_node, held = machine.world_size, machine.nproc_per_node, layout.tp * layout.pp
-    if layout.strategy == "ddp":
+    if Feature.REPLICATED in setup.entry.traits:  # DDP
         return [("ddp all-reduce", _seconds(2 * _f(world) * sizes.trainable_bytes, world > per_node, machine))]
+    dp_shard = setup.degrees.dp_shard
     shards = dp_shard * layout.cp  # what FSDP shards over
     expert, expert_trainable = (sizes.expert_bytes, sizes.expert_trainable_bytes) if layout.ep > 1 else (0, 0)
     dense = 2 * layout.accumulation * (sizes.parameter_bytes - expert) + sizes.trainable_bytes - expert_trainable
