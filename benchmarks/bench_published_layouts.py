@@ -1,4 +1,4 @@
-"""On paper, at real scale: the layouts torchtitan and NeMo Automodel publish as working for five
+"""On paper, at real scale: the layouts torchtitan, NeMo Automodel and NeMo publish as working for five
 models, predicted per GPU from the models' configs alone (no weights), against the GPUs they name.
 
 Each row is one published layout: the project's file, the hardware it names, its degrees, rows per
