@@ -98,31 +98,11 @@ def test_an_arbitrary_index(fresh, index):
 
 
 SIZE = st.one_of(
-    st.integers(-3, 300),
-    st.just(10**12),
-    st.floats(allow_nan=True),
-    st.text(max_size=4),
-    st.none(),
-    st.lists(st.integers(), max_size=2),
+    st.integers(-3, 300), st.just(10**12), st.floats(allow_nan=True), st.text(max_size=4), st.none(), st.lists(st.integers(), max_size=2)
 )
-FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "head_dim",
-    "max_position_embeddings",
-    "rms_norm_eps",
-    "rope_parameters",
-    "tie_word_embeddings",
-    "architectures",
-    "model_type",
-    "pad_token_id",
-    "hidden_act",
-    "dtype",
-)
+FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "intermediate_size", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
+          "tie_word_embeddings", "architectures", "model_type", "pad_token_id", "hidden_act", "dtype")
 
 
 @PROPERTY

@@ -260,11 +260,8 @@ ROUND_TRIPS = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("which", "tie", "strategy", "tp_size"),
-    ROUND_TRIPS,
-    ids=[f"{w}-{'tied' if t else 'untied'}-{s}-tp{p}" for w, t, s, p in ROUND_TRIPS],
-)
+@pytest.mark.parametrize(("which", "tie", "strategy", "tp_size"), ROUND_TRIPS,
+                         ids=[f"{w}-{'tied' if t else 'untied'}-{s}-tp{p}" for w, t, s, p in ROUND_TRIPS])
 def test_save_from_two_ranks_loads_in_transformers(ranks2, tmp_path, which, tie, strategy, tp_size):
     directory = tmp_path / "checkpoint"
     logits = ranks2.run(case_save_from_strategy, str(directory), which, tie, strategy, tp_size)

@@ -58,9 +58,7 @@ def _trainer(model, tokenizer, tmp_path, **options):
         report_to=[],
         disable_tqdm=True,
     )
-    return SFTTrainer(
-        model=model, args=arguments, train_dataset=_conversations(), processing_class=tokenizer, **options
-    )
+    return SFTTrainer(model=model, args=arguments, train_dataset=_conversations(), processing_class=tokenizer, **options)
 
 
 def _trained_logits(trainer, tokens):

@@ -39,9 +39,7 @@ def _agent(node_rank: int, port: int, *job_arguments: str, join_timeout: int = 6
     ]  # fmt: skip
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     environment["OMP_NUM_THREADS"] = "1"
-    return subprocess.Popen(
-        command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _one_process_losses(checkpoint: Path) -> list[float]:

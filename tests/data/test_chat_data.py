@@ -19,17 +19,11 @@ CONVERSATION = [
     {"role": "user", "content": "the capital of France?"},
     {"role": "assistant", "content": "Paris."},
 ]
-TEMPLATES = [
-    ("chatml", CHATML, "<|im_end|>"),
-    ("chatml", CHATML_GENERATION, "<|im_end|>"),
-    ("llama3", LLAMA3, "<|eot_id|>"),
-]
+TEMPLATES = [("chatml", CHATML, "<|im_end|>"), ("chatml", CHATML_GENERATION, "<|im_end|>"), ("llama3", LLAMA3, "<|eot_id|>")]
 
 
 def _learned(tokenizer, example) -> str:
-    return tokenizer.decode(
-        [t for t, label in zip(example.input_ids, example.labels, strict=True) if label != IGNORE_INDEX]
-    )
+    return tokenizer.decode([t for t, label in zip(example.input_ids, example.labels, strict=True) if label != IGNORE_INDEX])
 
 
 @pytest.mark.parametrize(("kind", "template", "end"), TEMPLATES, ids=["chatml", "chatml-generation-tag", "llama3"])
@@ -71,11 +65,8 @@ def test_rows_are_loaded_in_each_format_and_bad_rows_named(tmp_path):
     assert mapped.format == "prompt_completion" and mapped.rows == [{"prompt": "q?", "completion": "a."}]
     (tmp_path / "text.csv").write_text("text\nfirst line\nsecond line\n")
     assert load_rows(tmp_path / "text.csv").rows == [{"text": "first line"}, {"text": "second line"}]
-    bad = [
-        {"messages": CONVERSATION},
-        {"messages": [{"role": "robot", "content": "x"}]},
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]},
-    ]
+    bad = [{"messages": CONVERSATION}, {"messages": [{"role": "robot", "content": "x"}]},
+           {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}]
     path = _write_jsonl(tmp_path / "bad.jsonl", bad)
     with pytest.raises(ChatDataError, match=r"bad.jsonl: row 1: turn 0 has role 'robot'"):
         load_rows(path)

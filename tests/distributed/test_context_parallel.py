@@ -61,11 +61,8 @@ def test_the_masks_of_the_parts_are_the_whole_sequences_mask(size):
     ("config", "degrees", "named"),
     [
         (tiny_config("gemma2"), {"cp_size": 2}, "soft-capping"),
-        (
-            tiny_config("own-qwen3", use_sliding_window=True, sliding_window=4, max_window_layers=0),
-            {"cp_size": 2},
-            "sliding-window layers",
-        ),
+        (tiny_config("own-qwen3", use_sliding_window=True, sliding_window=4, max_window_layers=0), {"cp_size": 2},
+         "sliding-window layers"),
         (tiny_config("own-llama"), {"cp_size": 2, "pp_size": 2}, "cp_size=2 does not compose with pp_size=2"),
     ],
     ids=["softcap", "fused-sliding", "with-pp"],
@@ -167,9 +164,7 @@ def test_two_ranks_of_context_parallel_equal_one_process(ranks2, tmp_path, kind)
 @pytest.mark.parametrize(("packed", "checkpointing", "lora"), [(True, False, False), (False, True, False),
                           (False, False, True), ("unpadded", False, False), ("unpadded", True, False)],
                          ids=["packed", "checkpointing", "lora", "unpadded", "unpadded-checkpointing"])  # fmt: skip
-def test_packed_rows_activation_checkpointing_and_lora_under_context_parallel(
-    ranks2, tmp_path, packed, checkpointing, lora
-):
+def test_packed_rows_activation_checkpointing_and_lora_under_context_parallel(ranks2, tmp_path, packed, checkpointing, lora):
     checkpoint = write_checkpoint(tmp_path / "ckpt", "own-llama", "random", tie=True)
     results = ranks2.run(case_context_parallel, str(checkpoint), {"cp_size": 2}, packed, checkpointing, lora)
     _check(results, checkpoint, packed, lora)
@@ -186,15 +181,9 @@ def test_packed_rows_activation_checkpointing_and_lora_under_context_parallel(
 
 @pytest.mark.parametrize(
     ("degrees", "kind"),
-    [
-        ({"cp_size": 4}, "fused-llama"),
-        ({"cp_size": 4}, "fused-qwen3"),
-        ({"cp_size": 4}, "fallback-mistral"),
-        ({"cp_size": 2}, "fused-qwen3"),
-        ({"cp_size": 2, "tp_size": 2}, "fused-llama"),
-        ({"cp_size": 2, "tp_size": 2}, "fallback-mistral"),
-        ({"cp_size": 2, "dp_replicate_size": 2}, "fused-llama"),
-    ],
+    [({"cp_size": 4}, "fused-llama"), ({"cp_size": 4}, "fused-qwen3"), ({"cp_size": 4}, "fallback-mistral"),
+     ({"cp_size": 2}, "fused-qwen3"), ({"cp_size": 2, "tp_size": 2}, "fused-llama"),
+     ({"cp_size": 2, "tp_size": 2}, "fallback-mistral"), ({"cp_size": 2, "dp_replicate_size": 2}, "fused-llama")],
     ids=["cp4", "cp4-qwen3", "cp4-fallback", "cp2-dp_shard2", "cp2-tp2", "cp2-tp2-fallback", "cp2-hsdp"],
 )
 def test_four_ranks_of_context_parallel_compose_with_fsdp_and_tensor_parallel(ranks4, tmp_path, degrees, kind):

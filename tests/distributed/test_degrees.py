@@ -65,14 +65,10 @@ def test_bad_degrees_name_the_argument(kwargs, named):
 
 
 def test_every_degree_is_planned_and_unbuilt_combinations_are_refused_in_plan_and_load():
-    text = str(
-        NeMoAutoModelForCausalLM.plan(tiny_config("llama"), DistributedSetup.build("fsdp2", 16, tp_size=2, cp_size=2))
-    )
+    text = str(NeMoAutoModelForCausalLM.plan(tiny_config("llama"), DistributedSetup.build("fsdp2", 16, tp_size=2, cp_size=2)))
     for line in ("mesh (dp=4, cp=2, tp=2)", "context parallel over cp=2", "tensor parallel over tp=2"):
         assert line in text
-    text = str(
-        NeMoAutoModelForCausalLM.plan(tiny_config("llama"), DistributedSetup.build("fsdp2", 8, pp_size=2, tp_size=2))
-    )
+    text = str(NeMoAutoModelForCausalLM.plan(tiny_config("llama"), DistributedSetup.build("fsdp2", 8, pp_size=2, tp_size=2)))
     assert "mesh (pp=2, dp=2, tp=2)" in text and "pipeline parallel over pp=2" in text
     mixtral = family_config("mixtral")
     text = str(NeMoAutoModelForCausalLM.plan(mixtral, DistributedSetup.build("fsdp2", 8, tp_size=2, ep_size=4)))

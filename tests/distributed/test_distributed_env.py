@@ -71,14 +71,7 @@ def test_two_notebooks_at_once_get_different_ports():
     )
     environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", script],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=environment,
-            cwd=REPO_ROOT,
-        )
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=REPO_ROOT)
         for _ in range(2)
     ]
     outputs = [p.communicate(timeout=60) for p in processes]
@@ -108,20 +101,8 @@ def test_real_torchrun_two_ranks(tmp_path):
         )
     )
     completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(script),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO_ROOT,
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert completed.returncode == 0, completed.stderr[-3000:]

@@ -83,10 +83,7 @@ def test_setup_is_frozen_comparable_and_describable_without_a_process_group():
         DistributedSetup.build("fsdp2", 8, 2, param_dtype=torch.bfloat16, reshard_after_forward="never")
     )
     assert setup.options == FSDP2Options(reshard_after_forward=ReshardAfterForward.NEVER, param_dtype=torch.bfloat16)
-    assert (
-        "reshard after forward: never, the next layer gathered while one computes, param_dtype=torch.bfloat16"
-        in setup.describe()
-    )
+    assert "reshard after forward: never, the next layer gathered while one computes, param_dtype=torch.bfloat16" in setup.describe()
     assert "no prefetch" in DistributedSetup.build("fsdp2", 8, prefetch=False).describe()
     assert "reshard after forward: layers" in DistributedSetup.build("fsdp2", 8).describe()
     with pytest.raises(AttributeError):

@@ -341,10 +341,8 @@ def case_strict(checkpoint: str) -> str:
 
 @pytest.mark.parametrize(
     ("change", "raised"),
-    [
-        ("drop", "MissingWeightsError: .*'model.layers.1.mlp.down_proj.weight'"),
-        ("add", "UnexpectedKeysError: .*'model.layers.7.mlp.down_proj.weight'"),
-    ],
+    [("drop", "MissingWeightsError: .*'model.layers.1.mlp.down_proj.weight'"),
+     ("add", "UnexpectedKeysError: .*'model.layers.7.mlp.down_proj.weight'")],
 )
 def test_strict_covers_the_whole_model_on_every_stage(ranks2, tmp_path, change, raised):
     from safetensors.torch import load_file, save_file

@@ -118,9 +118,7 @@ def test_the_reshard_policy_decides_what_stays_gathered_and_changes_no_loss(rank
     reshards everything, ``never`` nothing. A backward, and a forward without gradients
     (``evaluate``, generation), leave nothing gathered.
     Gathering the next layer ahead (``prefetch``, asynchronous on the CPU) changes none of it."""
-    runs = {
-        policy: ranks2.run(case_what_stays_gathered, tied, policy, True) for policy in ("layers", "always", "never")
-    }
+    runs = {policy: ranks2.run(case_what_stays_gathered, tied, policy, True) for policy in ("layers", "always", "never")}
     runs["layers-no-prefetch"] = ranks2.run(case_what_stays_gathered, tied, "layers", False)
     root = {"norm": True, "head": True}
     expected = {

@@ -223,12 +223,7 @@ def test_geometry_fsdp_over_tp_strided_shard(ranks4):
     # The TP-sharded weights carry _StridedShard after fully_shard; every rank's data was checked.
     assert results[0]["emb.weight"][1] and results[0]["a.weight"][1]
     # 257 rows: TP chunks 129/128, FSDP chunks of those 65/64 and 64/64 (rank = dp * 2 + tp).
-    assert [r["emb.weight"][0] for r in results] == [
-        ((65, 6), (0, 0)),
-        ((64, 6), (129, 0)),
-        ((64, 6), (65, 0)),
-        ((64, 6), (193, 0)),
-    ]
+    assert [r["emb.weight"][0] for r in results] == [((65, 6), (0, 0)), ((64, 6), (129, 0)), ((64, 6), (65, 0)), ((64, 6), (193, 0))]
 
 
 def test_partial_placement_refused(ranks2):

@@ -199,9 +199,7 @@ def case_sharded_init(key, layout):
         model.initialize_weights(seed=SEED)
     params = dict(model.named_parameters())
     sharded = sum(isinstance(p, DTensor) for p in params.values())
-    strided = any(
-        isinstance(pl, _StridedShard) for p in params.values() if isinstance(p, DTensor) for pl in p.placements
-    )
+    strided = any(isinstance(pl, _StridedShard) for p in params.values() if isinstance(p, DTensor) for pl in p.placements)
     state = _full_state(model)
     rank = torch.distributed.get_rank()
     return {
@@ -296,9 +294,7 @@ def test_every_tensor_initialized_and_distributions_match_transformers(key):
             assert not value[config.pad_token_id].any(), name
         if n >= 1024:
             assert abs(value.std().item() / reference.std().item() - 1) < 0.08, name
-            assert abs(value.mean().item() - reference.mean().item()) < 5 * reference.std().item() * math.sqrt(2 / n), (
-                name
-            )
+            assert abs(value.mean().item() - reference.mean().item()) < 5 * reference.std().item() * math.sqrt(2 / n), name
             random_checked += 1
     assert random_checked >= 8
 

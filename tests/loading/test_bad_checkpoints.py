@@ -91,16 +91,8 @@ def test_a_misspelt_keyword_raises_instead_of_vanishing(copy):
 
 
 def test_every_error_shares_one_base_class():
-    for error in (
-        CheckpointNotFoundError,
-        CorruptCheckpointError,
-        MissingWeightsError,
-        RemoteRankError,
-        ShapeMismatchError,
-        UnexpectedKeysError,
-        UnsafeCheckpointError,
-        UnsupportedModelError,
-    ):
+    for error in (CheckpointNotFoundError, CorruptCheckpointError, MissingWeightsError, RemoteRankError,
+                  ShapeMismatchError, UnexpectedKeysError, UnsafeCheckpointError, UnsupportedModelError):
         assert issubclass(error, NeMoWrapError)
 
 
@@ -111,9 +103,7 @@ def case_one_rank_sees_a_bad_file(good_path: str, bad_path: str):
     try:
         from nemo_wrap import DistributedSetup
 
-        NeMoAutoModelForCausalLM.from_pretrained(
-            path, distributed_setup=DistributedSetup.build("fsdp2", 2), force_hf=True
-        )
+        NeMoAutoModelForCausalLM.from_pretrained(path, distributed_setup=DistributedSetup.build("fsdp2", 2), force_hf=True)
     except NeMoWrapError as error:
         return type(error).__name__, str(error), time.monotonic() - started
     return None, "", time.monotonic() - started
@@ -133,14 +123,9 @@ def test_bad_file_on_one_rank_raises_on_both(ranks2, good, copy):
 def test_remote_code_is_never_executed(copy):
     """A config asking for its own Python code is refused: trust_remote_code stays off."""
     (copy / "configuration_evil.py").write_text("raise SystemExit('remote code ran')\n")
-    (copy / "config.json").write_text(
-        json.dumps(
-            {
-                "model_type": "evil",
-                "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"},
-            }
-        )
-    )
+    (copy / "config.json").write_text(json.dumps({
+        "model_type": "evil", "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"},
+    }))
     with pytest.raises(UnsupportedModelError, match="config.json"):
         _load(copy)
 

@@ -116,18 +116,11 @@ def case_tied_embedding_stays_one_parameter(strategy: str, tp_size: int) -> tupl
     return lm_head is embedding, placements, _full_state(model)
 
 
-@pytest.mark.parametrize(
-    ("strategy", "tp_size", "placements"),
-    [("fsdp2", 1, "(Shard(dim=0),)"), ("fsdp2", 2, "(Shard(dim=0),)"), ("ddp", 1, "plain")],
-)
+@pytest.mark.parametrize(("strategy", "tp_size", "placements"), [("fsdp2", 1, "(Shard(dim=0),)"), ("fsdp2", 2, "(Shard(dim=0),)"), ("ddp", 1, "plain")])
 def test_tied_embedding_stays_one_parameter(ranks2, strategy, tp_size, placements):
-    expected = _full_state(
-        NeMoAutoModelForCausalLM.from_config(tiny_config("llama", tie_word_embeddings=True), seed=SEED)
-    )
+    expected = _full_state(NeMoAutoModelForCausalLM.from_config(tiny_config("llama", tie_word_embeddings=True), seed=SEED))
     assert torch.count_nonzero(expected["model.embed_tokens.weight"][3]) == 0
-    for rank, (is_tied, actual_placements, state) in enumerate(
-        ranks2.run(case_tied_embedding_stays_one_parameter, strategy, tp_size)
-    ):
+    for rank, (is_tied, actual_placements, state) in enumerate(ranks2.run(case_tied_embedding_stays_one_parameter, strategy, tp_size)):
         assert is_tied, f"rank {rank}: lm_head.weight is not the embedding parameter"
         assert actual_placements == placements
         _assert_same_state(state, expected, f"tied {strategy} tp={tp_size} rank {rank}")

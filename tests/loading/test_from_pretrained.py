@@ -26,9 +26,7 @@ def checkpoints(tmp_path_factory):
     made = {}
     for values in ("half", "distinct"):
         for tie in (True, False):
-            made[(values, tie)] = str(
-                write_checkpoint(root / f"llama-{values}-{'tied' if tie else 'untied'}", "llama", values, tie)
-            )
+            made[(values, tie)] = str(write_checkpoint(root / f"llama-{values}-{'tied' if tie else 'untied'}", "llama", values, tie))
     made["sharded"] = str(write_checkpoint(root / "llama-sharded", "llama", "distinct", False, max_shard_size="100KB"))
     return made
 
@@ -100,9 +98,7 @@ def test_uniform_checkpoint_every_shard_is_half(ranks2, checkpoints, strategy, t
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("force_hf", [False, True], ids=["custom", "hf"])
 @pytest.mark.parametrize(("strategy", "tp_size"), STRATEGIES, ids=STRATEGY_IDS)
-def test_distinct_checkpoint_shards_at_their_offsets_and_logits_match(
-    ranks2, checkpoints, strategy, tp_size, force_hf, tie
-):
+def test_distinct_checkpoint_shards_at_their_offsets_and_logits_match(ranks2, checkpoints, strategy, tp_size, force_hf, tie):
     path = checkpoints[("distinct", tie)]
     expected_logits = _transformers_logits(path)
     results = ranks2.run(case_load, path, strategy, tp_size, force_hf, TOKENS)
@@ -241,15 +237,11 @@ def test_hub_id_resolves_through_a_prepopulated_offline_cache(checkpoints, tmp_p
         "print(m.load_report.counts()['checkpoint'], all(bool((p == 0.5).all()) for p in m.parameters()))\n"
     )
     environment = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    completed = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=environment, timeout=120
-    )
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment, timeout=120)
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert completed.stdout.split() == ["21", "True"]  # 2 layers × 9 + embedding + norm + untied lm_head
     environment["HF_HUB_CACHE"] = str(tmp_path / "empty")
-    completed = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=environment, timeout=120
-    )
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment, timeout=120)
     assert completed.returncode != 0 and "CheckpointNotFoundError" in completed.stderr
     assert "tiny-org/tiny-llama" in completed.stderr
 

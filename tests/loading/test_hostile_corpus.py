@@ -25,10 +25,7 @@ def outcomes(tmp_path_factory) -> dict[str, dict]:
     (root / "work").mkdir()
     result = subprocess.run(
         [sys.executable, "-m", "tests.support.hostile_corpus", str(good), str(root / "work")],
-        capture_output=True,
-        text=True,
-        timeout=CORPUS_TIMEOUT_S,
-        cwd=Path(__file__).parents[2],
+        capture_output=True, text=True, timeout=CORPUS_TIMEOUT_S, cwd=Path(__file__).parents[2],
     )
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert result.returncode == 0, result.stderr[-3000:]

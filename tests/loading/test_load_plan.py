@@ -36,11 +36,7 @@ def _combinations():
     ):  # fmt: skip
         if world % (tp * pp) or (strategy in (None, "megatron_fsdp") and tp > 1) or (strategy is None and world > 1):
             continue
-        if (
-            (adapters == "file" and not has_checkpoint)
-            or (compile_layers and tp > 1)
-            or (pp > 1 and strategy != "fsdp2")
-        ):
+        if (adapters == "file" and not has_checkpoint) or (compile_layers and tp > 1) or (pp > 1 and strategy != "fsdp2"):
             continue
         setup = DistributedSetup.given(
             None if strategy is None else DistributedSetup.build(strategy, world, tp_size=tp, pp_size=pp)
@@ -97,13 +93,7 @@ def test_compiling_with_tensor_parallel_is_refused():
         _resolve(True, DistributedSetup.build("fsdp2", 4, 2), True, LoadOptions(compile=True))
 
 
-@pytest.mark.parametrize(
-    "plan",
-    PLANS,
-    ids=lambda p: (
-        f"{p.strategy}-w{p.world_size}-tp{p.tp_size}-pp{len(p.stages) or 1}-{'ckpt' if p.has_checkpoint else 'none'}-{'custom' if p.is_custom else 'hf'}-lora-{p.adapters}-{'compiled' if Step.COMPILE_LAYERS in p.steps else 'eager'}{'-4bit' if p.quantization else ''}"
-    ),
-)
+@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.strategy}-w{p.world_size}-tp{p.tp_size}-pp{len(p.stages) or 1}-{'ckpt' if p.has_checkpoint else 'none'}-{'custom' if p.is_custom else 'hf'}-lora-{p.adapters}-{'compiled' if Step.COMPILE_LAYERS in p.steps else 'eager'}{'-4bit' if p.quantization else ''}")
 def test_every_plan_reads_the_checkpoint_exactly_once_after_its_storage_exists(plan):
     steps = list(plan.steps)
     assert plan.checkpoint_reads == (1 if plan.has_checkpoint else 0)
@@ -143,9 +133,7 @@ def test_plan_prints_as_a_short_explanation():
     resolved = _resolve(True, DistributedSetup.build("ddp", 2), True, LoadOptions())
     plan = dataclasses.replace(resolved, source_reason="LlamaForCausalLM is in MODEL_ARCH_MAPPING")
     text = str(plan)
-    assert text.splitlines()[0].startswith(
-        "load plan: NeMoLlamaForCausalLM (custom: LlamaForCausalLM is in MODEL_ARCH_MAPPING), ddp on 2 rank(s)"
-    )
+    assert text.splitlines()[0].startswith("load plan: NeMoLlamaForCausalLM (custom: LlamaForCausalLM is in MODEL_ARCH_MAPPING), ddp on 2 rank(s)")
     assert "weights arrive with the build: no" in text
     assert "3. read the checkpoint into place" in text and "5. shard" in text
     # 12 lines before the precision and loss lines, which every resolved plan has (the hand-made plan

@@ -62,19 +62,11 @@ def test_the_plan_names_the_conversion_and_an_unsupported_one_is_refused_before_
     plan = str(NeMoAutoModelForCausalLM.plan(tmp_path / "mixtral"))
     assert "keys: transformers' conversion mapping" in plan and "MergeModulelist+Concatenate" in plan
     # hrm_text's checkpoints fuse gate/up, which transformers splits with Chunk: not a window form here
-    config = AutoConfig.for_model(
-        "hrm_text",
-        vocab_size=257,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = AutoConfig.for_model("hrm_text", vocab_size=257, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hrm")
     with pytest.raises(UnsupportedModelError, match=r"Chunk\(dim=0\)"):  # the dry run refuses it too
         NeMoAutoModelForCausalLM.plan(tmp_path / "hrm")
-
     def no_reads(*args, **kwargs):
         raise AssertionError("a weight was read before the refusal")
 

@@ -28,9 +28,7 @@ IDS = torch.arange(2 * 9).reshape(2, 9) * 7 % 257
 
 
 def _lora(targets=("q_proj", "v_proj"), **kwargs) -> LoraConfig:
-    return LoraConfig(
-        r=4, lora_alpha=8, target_modules=list(targets) if not isinstance(targets, str) else targets, **kwargs
-    )
+    return LoraConfig(r=4, lora_alpha=8, target_modules=list(targets) if not isinstance(targets, str) else targets, **kwargs)
 
 
 def _set_adapters(model, seed: int = 1) -> None:
@@ -65,10 +63,7 @@ def test_our_fused_class_with_lora_computes_what_peft_on_transformers_computes(b
 
 @pytest.mark.parametrize(
     "config",
-    [
-        dict(target_modules="all-linear", exclude_modules=["o_proj", "up_proj"]),
-        dict(target_modules=r".*\.1\.mlp\..*_proj"),
-    ],
+    [dict(target_modules="all-linear", exclude_modules=["o_proj", "up_proj"]), dict(target_modules=r".*\.1\.mlp\..*_proj")],
     ids=["all-linear-excluding", "regex"],
 )
 def test_regex_and_exclude_select_what_peft_selects(tmp_path, config):
@@ -91,10 +86,7 @@ def test_rank_stabilized_scaling_matches_peft(tmp_path):
 
 
 # PEFT's per-module ranks and alphas: a suffix, a regex naming one layer's projection, alphas apart
-PATTERNS = {
-    "rank_pattern": {"q_proj": 2, r"layers\.1\.mlp\.down_proj": 6},
-    "alpha_pattern": {"v_proj": 32, "gate_proj": 3},
-}
+PATTERNS = {"rank_pattern": {"q_proj": 2, r"layers\.1\.mlp\.down_proj": 6}, "alpha_pattern": {"v_proj": 32, "gate_proj": 3}}
 
 
 def test_rank_and_alpha_patterns_compute_what_peft_computes(base, tmp_path):
@@ -185,10 +177,7 @@ def test_lora_trains_the_same_on_2_ranks_and_saves_an_adapter_peft_loads(ranks2,
     losses = ranks2.run(case_train_and_save_lora, str(base), strategy, str(tmp_path / "ranks"), timeout=120)
     for rank_losses in losses:
         torch.testing.assert_close(torch.tensor(rank_losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
-    saved, reference = (
-        load_file(tmp_path / "ranks" / "adapter_model.safetensors"),
-        load_file(tmp_path / "single" / "adapter_model.safetensors"),
-    )
+    saved, reference = load_file(tmp_path / "ranks" / "adapter_model.safetensors"), load_file(tmp_path / "single" / "adapter_model.safetensors")
     assert saved.keys() == reference.keys()
     for key in saved:  # every element of every lora_A / lora_B: no slice-only save, no A/B swap
         torch.testing.assert_close(saved[key], reference[key], rtol=1e-5, atol=1e-7)

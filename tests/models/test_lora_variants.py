@@ -76,9 +76,7 @@ def test_a_trained_variant_computes_what_peft_computes_and_comes_back(base, vari
     )
     back = NeMoAutoModelForCausalLM.from_pretrained(base, adapter=tmp_path / "adapter", verify=True)
     torch.testing.assert_close(back(IDS).logits, ours(IDS).logits, atol=0, rtol=0)
-    assert {n for n, p in back.named_parameters() if p.requires_grad} == {
-        n for n, p in ours.named_parameters() if p.requires_grad
-    }
+    assert {n for n, p in back.named_parameters() if p.requires_grad} == {n for n, p in ours.named_parameters() if p.requires_grad}
     if variant == "lora-bias":  # Llama-style layers have no bias to merge into (PEFT refuses too)
         with pytest.raises(UnsupportedSaveOptionError, match="no bias to merge lora_bias into"):
             ours.save_pretrained(tmp_path / "merged", merge_adapters=True)
@@ -90,9 +88,7 @@ def test_a_trained_variant_computes_what_peft_computes_and_comes_back(base, vari
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_an_adapter_peft_trained_with_the_variant_loads_here(base, variant, tmp_path):
-    peft = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base), _config(variant, ["q_proj", "v_proj", "down_proj"])
-    )
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(base), _config(variant, ["q_proj", "v_proj", "down_proj"]))
     with torch.no_grad():
         for name, parameter in peft.named_parameters():
             if parameter.requires_grad:  # magnitudes and saved modules too
@@ -106,10 +102,7 @@ def test_new_dora_magnitudes_are_peft_initial_row_norms(base, tmp_path):
     ours = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_config("dora"), seed=0)
     ours.save_pretrained(tmp_path / "ours")
     get_peft_model(AutoModelForCausalLM.from_pretrained(base), _config("dora")).save_pretrained(tmp_path / "peft")
-    saved, theirs = (
-        load_file(tmp_path / "ours" / "adapter_model.safetensors"),
-        load_file(tmp_path / "peft" / "adapter_model.safetensors"),
-    )
+    saved, theirs = load_file(tmp_path / "ours" / "adapter_model.safetensors"), load_file(tmp_path / "peft" / "adapter_model.safetensors")
     magnitudes = [key for key in theirs if key.endswith("lora_magnitude_vector")]
     assert magnitudes and set(magnitudes) <= set(saved)
     for key in magnitudes:
@@ -120,9 +113,7 @@ def test_new_dora_magnitudes_are_peft_initial_row_norms(base, tmp_path):
 
 def test_lora_bias_merges_into_layers_that_have_a_bias(tmp_path):
     base = write_checkpoint(tmp_path / "base", "own-qwen2", "random", tie=False)  # q/k/v carry biases
-    ours = NeMoAutoModelForCausalLM.from_pretrained(
-        base, peft_config=_config("lora-bias", ["q_proj", "k_proj", "v_proj"])
-    )
+    ours = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=_config("lora-bias", ["q_proj", "k_proj", "v_proj"]))
     _set_adapters(ours)
     ours.save_pretrained(tmp_path / "merged", merge_adapters=True)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
@@ -133,9 +124,7 @@ def test_a_tied_module_to_save_trains_the_tied_weight_only_when_asked(tmp_path):
     base = write_checkpoint(tmp_path / "base", "own-llama", "random", tie=True)
     with pytest.raises(UnsupportedLoraOptionError, match="ensure_weight_tying=True"):
         NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=LoraConfig(r=4, modules_to_save=["lm_head"]))
-    config = LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"], ensure_weight_tying=True
-    )
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"], ensure_weight_tying=True)
     ours = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=config)
     _sgd_steps(ours)
     assert ours.lm_head.weight is ours.model.embed_tokens.weight and ours.lm_head.weight.requires_grad
@@ -177,9 +166,7 @@ def _setup(layout: str) -> DistributedSetup:
 
 
 def _trained(base: str, variant: str, setup: DistributedSetup | None):
-    model = NeMoAutoModelForCausalLM.from_pretrained(
-        base, distributed_setup=setup, peft_config=_config(variant), seed=0
-    )
+    model = NeMoAutoModelForCausalLM.from_pretrained(base, distributed_setup=setup, peft_config=_config(variant), seed=0)
     _set_adapters(model)
     return model, _sgd_steps(model)
 
@@ -199,10 +186,7 @@ def test_a_variant_trains_on_2_ranks_as_one_process(ranks2, variant, layout, tmp
     results = ranks2.run(case_train_variant, str(base), variant, layout, str(tmp_path / "ranks"), timeout=180)
     for losses in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
-    saved, reference = (
-        load_file(tmp_path / "ranks" / "adapter_model.safetensors"),
-        load_file(tmp_path / "single" / "adapter_model.safetensors"),
-    )
+    saved, reference = load_file(tmp_path / "ranks" / "adapter_model.safetensors"), load_file(tmp_path / "single" / "adapter_model.safetensors")
     assert saved.keys() == reference.keys()
     for key in saved:
         torch.testing.assert_close(saved[key], reference[key], rtol=1e-5, atol=1e-6)

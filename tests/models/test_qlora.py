@@ -90,9 +90,7 @@ def test_the_4bit_model_is_transformers_4bit_model(base, double_quant):
 def test_fp4_and_a_bf16_checkpoint_are_transformers_too(tmp_path):
     base = write_checkpoint(tmp_path / "bf16", "own-llama", "random", tie=False, dtype=torch.bfloat16)
     for quantization in (_nf4(quant_type="fp4"), _nf4(double_quant=False)):
-        ours = NeMoAutoModelForCausalLM.from_pretrained(
-            base, quantization_config=quantization, verify=True, dtype="auto"
-        )
+        ours = NeMoAutoModelForCausalLM.from_pretrained(base, quantization_config=quantization, verify=True, dtype="auto")
         reference = transformers_4bit(base, quantization)
         assert ours.model.embed_tokens.weight.dtype == torch.bfloat16  # the rest keeps the checkpoint's dtype
         torch.testing.assert_close(ours(IDS).logits, reference(IDS).logits, atol=0, rtol=0)
@@ -156,10 +154,7 @@ def test_a_qlora_adapter_loads_in_plain_peft_over_transformers_4bit_model(base, 
 
 
 def test_an_adapter_trained_by_peft_on_transformers_4bit_model_loads_here(base, tmp_path):
-    peft = get_peft_model(
-        _transformers_4bit(base, _nf4()),
-        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
-    )
+    peft = get_peft_model(_transformers_4bit(base, _nf4()), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
     with torch.no_grad():
         for name, parameter in peft.named_parameters():
             if "lora_" in name:
@@ -242,9 +237,7 @@ def test_layers_that_cannot_be_4bit_are_refused_by_name(tmp_path):
         NeMoAutoModelForCausalLM.from_pretrained(odd, quantization_config=_nf4())
     fused = write_checkpoint(tmp_path / "fused", "own-llama", "half", tie=False)
     with pytest.raises(UnsupportedQuantizationError, match=r"keeps \['model.layers.0.self_attn.q_proj'\]"):
-        NeMoAutoModelForCausalLM.from_pretrained(
-            fused, quantization_config=_nf4(llm_int8_skip_modules=["q_proj", "lm_head"])
-        )
+        NeMoAutoModelForCausalLM.from_pretrained(fused, quantization_config=_nf4(llm_int8_skip_modules=["q_proj", "lm_head"]))
     tied = write_checkpoint(tmp_path / "tied", "mistral", "half", tie=True)
     with pytest.raises(UnsupportedQuantizationError, match="lm_head.*tied"):
         NeMoAutoModelForCausalLM.from_pretrained(tied, quantization_config=_nf4(llm_int8_skip_modules=["model.norm"]))
@@ -322,12 +315,9 @@ def case_qlora_trains(base: str, layout: str, out: str, double_quant: bool, dora
 
 
 @pytest.mark.parametrize(
-    ("layout", "double_quant", "dora"),
-    [("fsdp2", True, False), ("fsdp2", False, False), ("ddp", True, False), ("fsdp2", True, True)],
+    ("layout", "double_quant", "dora"), [("fsdp2", True, False), ("fsdp2", False, False), ("ddp", True, False), ("fsdp2", True, True)]
 )
-def test_qlora_on_2_ranks_quantizes_each_rank_rows_and_trains_as_one_process(
-    ranks2, layout, double_quant, dora, tmp_path
-):
+def test_qlora_on_2_ranks_quantizes_each_rank_rows_and_trains_as_one_process(ranks2, layout, double_quant, dora, tmp_path):
     base = write_checkpoint(tmp_path / "base", "own-qwen2", "random", tie=False)
     single = _qlora(base, double_quant=double_quant, dora=dora)
     whole = {n: m.weight_packed for n, m in single.named_modules() if isinstance(m, QuantizedLinear)}
@@ -342,16 +332,11 @@ def test_qlora_on_2_ranks_quantizes_each_rank_rows_and_trains_as_one_process(
             assert torch.equal(local, whole[name][rows])
     total = sum(t.nbytes for t in load_file(base / "model.safetensors").values())
     if layout == "fsdp2":  # each rank read and quantized only its rows: the two halves are the whole
-        assert sorted(r for result in results for r in result["local"]["model.layers.0.mlp.down_proj"][0]) == list(
-            range(64)
-        )
+        assert sorted(r for result in results for r in result["local"]["model.layers.0.mlp.down_proj"][0]) == list(range(64))
         assert sum(result["bytes_read"] for result in results) == total
     else:
         assert all(result["bytes_read"] == total for result in results)
-    saved, reference = (
-        load_file(tmp_path / "ranks" / "adapter_model.safetensors"),
-        load_file(tmp_path / "single" / "adapter_model.safetensors"),
-    )
+    saved, reference = load_file(tmp_path / "ranks" / "adapter_model.safetensors"), load_file(tmp_path / "single" / "adapter_model.safetensors")
     assert saved.keys() == reference.keys()
     for key in saved:
         torch.testing.assert_close(saved[key], reference[key], rtol=1e-5, atol=1e-7)
@@ -404,9 +389,7 @@ def case_smollm2_qlora_sft(path: str, output_dir: str) -> list[float]:
     from nemo_wrap.recipes.config import DataSection, OptimizerSection, TrainingSection
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    load = LoadOptions(
-        quantization_config=_nf4(), peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
-    )
+    load = LoadOptions(quantization_config=_nf4(), peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     config = SFTConfig(
         output_dir,
         data=DataSection(train=str(bundled_chat_set()), pack=True, max_length=128),
@@ -414,9 +397,7 @@ def case_smollm2_qlora_sft(path: str, output_dir: str) -> list[float]:
         optimizer=OptimizerSection(lr=1e-3),
         load=load,
     )
-    records = run_sft(
-        path, DistributedSetup.build("fsdp2", world), config, AutoTokenizer.from_pretrained(path), lambda _: None
-    )
+    records = run_sft(path, DistributedSetup.build("fsdp2", world), config, AutoTokenizer.from_pretrained(path), lambda _: None)
     return [record["loss"] for record in records if "loss" in record]
 
 

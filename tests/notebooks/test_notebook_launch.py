@@ -131,12 +131,10 @@ def test_an_interrupt_ends_every_rank(tmp_path):
 
     # a kernel turns SIGINT into KeyboardInterrupt even where the test runner was started with SIGINT
     # ignored (a background job of a non-interactive shell), which its children would inherit
-    script = (
-        "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        "from tests.notebooks.test_notebook_launch import sleep_forever\n"
-        "from nemo_wrap.notebook import launch\n"
-        f"launch(sleep_forever, 2, {str(tmp_path)!r})"
-    )
+    script = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n" \
+             "from tests.notebooks.test_notebook_launch import sleep_forever\n" \
+             "from nemo_wrap.notebook import launch\n" \
+             f"launch(sleep_forever, 2, {str(tmp_path)!r})"
     caller = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2])
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:

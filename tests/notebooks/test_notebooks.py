@@ -43,9 +43,8 @@ def test_notebook_runs_top_to_bottom_and_again(path, tmp_path, monkeypatch, shar
     notebook = nbformat.read(path, as_version=4)
     kernel = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[]))
     assert kernel.kernel_spec.argv[0] == sys.executable
-    client = NotebookClient(
-        notebook, km=kernel, timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": str(tmp_path)}}
-    )
+    client = NotebookClient(notebook, km=kernel, timeout=CELL_TIMEOUT_S,
+                            resources={"metadata": {"path": str(tmp_path)}})
     with client.setup_kernel():
         for run in ("first run", "re-run"):
             for index, cell in enumerate(notebook.cells):
@@ -53,8 +52,6 @@ def test_notebook_runs_top_to_bottom_and_again(path, tmp_path, monkeypatch, shar
                     client.execute_cell(cell, index)
                 except CellExecutionError as error:
                     source = cell.source.splitlines()[0] if cell.source else ""
-                    pytest.fail(
-                        f"{path.name}, cell {index} ({source!r}), {run}: {error.ename}: {error.evalue}\n{error}",
-                        pytrace=False,
-                    )
+                    pytest.fail(f"{path.name}, cell {index} ({source!r}), {run}: {error.ename}: {error.evalue}\n{error}",
+                                pytrace=False)
     assert (tmp_path / OUTPUTS[path.name]).is_file()

@@ -69,22 +69,9 @@ def test_activation_checkpointing_recomputes_and_keeps_the_losses(cache, tmp_pat
 def test_finetune_on_two_ranks_through_nproc(cache, tmp_path):
     output = tmp_path / "out"
     completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nemo_wrap.cli",
-            "finetune",
-            "--nproc",
-            "2",
-            "--steps",
-            "3",
-            "--output-dir",
-            str(output),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
+        [sys.executable, "-m", "nemo_wrap.cli", "finetune", "--nproc", "2", "--steps", "3",
+         "--output-dir", str(output)],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "fsdp2 on 2 rank(s), tp=1" in completed.stdout
@@ -118,10 +105,7 @@ def test_qlora_finetunes_the_default_and_saves_an_adapter(cache, tmp_path, capsy
     first, last = _losses(out)
     assert last < first
     assert sorted(p.name for p in output.iterdir()) == [
-        "adapter_config.json",
-        "adapter_model.safetensors",
-        "config.yaml",
-        "logs",
+        "adapter_config.json", "adapter_model.safetensors", "config.yaml", "logs"
     ]  # the adapter, the resolved recipe and the metrics
     assert main(["plan", "--quantization", "fp4", "--nproc", "2"]) == 0
     assert "bitsandbytes 4-bit FP4" in capsys.readouterr().out
@@ -206,14 +190,8 @@ def test_concurrent_first_use_builds_one_checkpoint(cache, tmp_path):
         """
     )
     processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO_ROOT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
+        subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         for _ in range(2)
     ]
     results = [process.communicate(timeout=180) for process in processes]
@@ -243,15 +221,8 @@ def _chat_model(cache, tmp_path) -> Path:
 def _chat_file(path: Path, count: int) -> Path:
     import json
 
-    rows = [
-        {
-            "messages": [
-                {"role": "user", "content": f"Rain falls on garden {i}?"},
-                {"role": "assistant", "content": f"The garden {i} drinks the rain."},
-            ]
-        }
-        for i in range(count)
-    ]
+    rows = [{"messages": [{"role": "user", "content": f"Rain falls on garden {i}?"},
+                          {"role": "assistant", "content": f"The garden {i} drinks the rain."}]} for i in range(count)]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
@@ -265,31 +236,9 @@ def _records(log_dir: Path) -> list[dict]:
 def test_lora_chat_sft_with_packing_evaluation_metrics_and_resume(cache, tmp_path, capsys):
     model = _chat_model(cache, tmp_path)
     data, held_out = _chat_file(tmp_path / "chat.jsonl", 24), _chat_file(tmp_path / "eval.jsonl", 6)
-    common = [
-        "finetune",
-        str(model),
-        "--data",
-        str(data),
-        "--pack",
-        "--max-length",
-        "64",
-        "--batch-size",
-        "2",
-        "--steps",
-        "4",
-        "--warmup-steps",
-        "1",
-        "--lr",
-        "1e-2",
-        "--lora-r",
-        "4",
-        "--eval-data",
-        str(held_out),
-        "--eval-every",
-        "2",
-        "--save-every",
-        "2",
-    ]
+    common = ["finetune", str(model), "--data", str(data), "--pack", "--max-length", "64",
+              "--batch-size", "2", "--steps", "4", "--warmup-steps", "1", "--lr", "1e-2", "--lora-r", "4",
+              "--eval-data", str(held_out), "--eval-every", "2", "--save-every", "2"]
     assert main([*common, "--output-dir", str(tmp_path / "out"), "--log-dir", str(tmp_path / "log")]) == 0
     out = capsys.readouterr().out
     assert "data: " in out and "(messages)" in out and "examples (0 truncated, 0 dropped)" in out
@@ -301,15 +250,8 @@ def test_lora_chat_sft_with_packing_evaluation_metrics_and_resume(cache, tmp_pat
     assert [r["lr"] for r in records if "lr" in r][:2] == [1e-2, 1e-2]  # warm-up of one step, then the peak
     assert list((tmp_path / "log").glob("events.out.tfevents.*"))
     assert (tmp_path / "out" / "adapter_config.json").is_file() and (tmp_path / "out" / "checkpoint-2").is_dir()
-    resumed = [
-        *common,
-        "--output-dir",
-        str(tmp_path / "again"),
-        "--log-dir",
-        str(tmp_path / "log2"),
-        "--resume",
-        str(tmp_path / "out" / "checkpoint-2"),
-    ]
+    resumed = [*common, "--output-dir", str(tmp_path / "again"), "--log-dir", str(tmp_path / "log2"),
+               "--resume", str(tmp_path / "out" / "checkpoint-2")]
     assert main(resumed) == 0
     assert [r["loss"] for r in _records(tmp_path / "log2") if "loss" in r] == losses[2:]
 
@@ -318,34 +260,13 @@ def test_prompt_completion_sft_with_mapped_columns_on_two_ranks(cache, tmp_path)
     import json
 
     data = tmp_path / "qa.jsonl"
-    data.write_text(
-        "".join(json.dumps({"question": f"Rain on {i}?", "answer": f" The garden {i}."}) + "\n" for i in range(16))
-    )
+    data.write_text("".join(json.dumps({"question": f"Rain on {i}?", "answer": f" The garden {i}."}) + "\n"
+                            for i in range(16)))
     completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nemo_wrap.cli",
-            "finetune",
-            "--nproc",
-            "2",
-            "--data",
-            str(data),
-            "--columns",
-            "prompt=question,completion=answer",
-            "--max-length",
-            "32",
-            "--batch-size",
-            "2",
-            "--steps",
-            "3",
-            "--output-dir",
-            str(tmp_path / "out"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
+        [sys.executable, "-m", "nemo_wrap.cli", "finetune", "--nproc", "2", "--data", str(data),
+         "--columns", "prompt=question,completion=answer", "--max-length", "32", "--batch-size", "2",
+         "--steps", "3", "--output-dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "(prompt_completion): 16 examples" in completed.stdout
@@ -356,74 +277,14 @@ def test_prompt_completion_sft_with_mapped_columns_on_two_ranks(cache, tmp_path)
 def test_sft_and_the_text_job_under_pipeline_and_context_parallel_on_two_ranks(cache, tmp_path):
     model = _chat_model(cache, tmp_path)
     data = _chat_file(tmp_path / "chat.jsonl", 16)
-    sft = [
-        sys.executable,
-        "-m",
-        "nemo_wrap.cli",
-        "finetune",
-        str(model),
-        "--nproc",
-        "2",
-        "--pp-size",
-        "2",
-        "--data",
-        str(data),
-        "--pack",
-        "--max-length",
-        "64",
-        "--batch-size",
-        "1",
-        "--accumulation",
-        "2",
-        "--steps",
-        "3",
-        "--lr",
-        "1e-2",
-        "--lora-r",
-        "4",
-        "--output-dir",
-        str(tmp_path / "sft"),
-    ]
-    text = [
-        sys.executable,
-        "-m",
-        "nemo_wrap.cli",
-        "finetune",
-        str(model),
-        "--nproc",
-        "2",
-        "--pp-size",
-        "2",
-        "--pp-schedule",
-        "gpipe",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--steps",
-        "3",
-        "--output-dir",
-        str(tmp_path / "text"),
-    ]
-    context = [
-        sys.executable,
-        "-m",
-        "nemo_wrap.cli",
-        "finetune",
-        str(model),
-        "--nproc",
-        "2",
-        "--cp-size",
-        "2",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "64",
-        "--steps",
-        "3",
-        "--output-dir",
-        str(tmp_path / "context"),
-    ]
+    sft = [sys.executable, "-m", "nemo_wrap.cli", "finetune", str(model), "--nproc", "2", "--pp-size", "2",
+           "--data", str(data), "--pack", "--max-length", "64", "--batch-size", "1", "--accumulation", "2",
+           "--steps", "3", "--lr", "1e-2", "--lora-r", "4", "--output-dir", str(tmp_path / "sft")]
+    text = [sys.executable, "-m", "nemo_wrap.cli", "finetune", str(model), "--nproc", "2", "--pp-size", "2",
+            "--pp-schedule", "gpipe", "--batch-size", "2", "--seq-len", "32", "--steps", "3",
+            "--output-dir", str(tmp_path / "text")]
+    context = [sys.executable, "-m", "nemo_wrap.cli", "finetune", str(model), "--nproc", "2", "--cp-size", "2",
+               "--batch-size", "2", "--seq-len", "64", "--steps", "3", "--output-dir", str(tmp_path / "context")]
     for command in (sft, context, text):
         completed = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
         assert completed.returncode == 0, completed.stderr[-3000:]

@@ -26,4 +26,4 @@ def local_micro_batches(step: int, dp_rank: int, dp_size: int, micro: int) -> li
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     local = {k: v[rows] for k, v in batch.items()}
     size = per_rank // micro
-    return [{k: v[i * size : (i + 1) * size] for k, v in local.items()} for i in range(micro)]
+    return [{k: v[i * size:(i + 1) * size] for k, v in local.items()} for i in range(micro)]

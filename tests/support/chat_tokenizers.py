@@ -38,9 +38,7 @@ def chat_tokenizer(kind: str, template: str) -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=list(specials),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=400, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     backend.train_from_iterator(_CORPUS, trainer=trainer)

@@ -10,15 +10,8 @@ from transformers import AutoModelForCausalLM
 from tests.support.tiny_models import tiny_config
 
 
-def write_checkpoint(
-    directory: Path,
-    kind: str,
-    values: str,
-    tie: bool,
-    max_shard_size: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    **config_overrides,
-) -> Path:
+def write_checkpoint(directory: Path, kind: str, values: str, tie: bool, max_shard_size: str | None = None,
+                     dtype: torch.dtype = torch.float32, **config_overrides) -> Path:
     """Save a tiny ``kind`` model whose tensors are all 0.5 (``values="half"``), all distinct, or
     transformers' seeded init (``values="random"``).
 

@@ -119,9 +119,7 @@ def _pickle_index(shard_for: Callable[[Path], object]) -> Callable[[Path], None]
     def build(path: Path) -> None:
         tensors = _as_pickle(path)
         torch.save(tensors, path.parent / "outside.bin")
-        (path / "pytorch_model.bin.index.json").write_text(
-            json.dumps({"weight_map": dict.fromkeys(tensors, shard_for(path))})
-        )
+        (path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(tensors, shard_for(path))}))
 
     return build
 
@@ -207,184 +205,39 @@ CASES = [
     # -- the original matrix
     Case("missing-path", lambda p: p / "nowhere", errors.CheckpointNotFoundError, "nowhere"),
     Case("no-config", lambda p: (p / "config.json").unlink(), errors.CheckpointNotFoundError, "config.json"),
-    Case(
-        "config-not-a-causal-lm",
-        _write("config.json", '{"model_type": "resnet"}'),
-        errors.UnsupportedModelError,
-        "config.json",
-    ),
-    Case(
-        "no-weight-files",
-        lambda p: (p / "model.safetensors").unlink(),
-        errors.CheckpointNotFoundError,
-        "no weight files",
-    ),
-    Case(
-        "index-names-a-missing-shard",
-        _index(lambda p: "model-00002-of-00002.safetensors"),
-        errors.CheckpointNotFoundError,
-        "model-00002-of-00002.safetensors",
-    ),
-    Case(
-        "index-shard-escapes",
-        _index(lambda p: "../good.safetensors"),
-        errors.UnsafeCheckpointError,
-        "model.safetensors.index.json",
-    ),
-    Case(
-        "truncated-file",
-        lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:-100]),
-        errors.CorruptCheckpointError,
-        "model.safetensors",
-    ),
-    Case(
-        "header-not-json",
-        _edit_header(lambda h: "{not json" + " " * 10),
-        errors.CorruptCheckpointError,
-        "model.safetensors",
-    ),
-    Case(
-        "header-length-beyond-file",
-        lambda p: (p / "model.safetensors").write_bytes(struct.pack("<Q", 10**9) + b"{}"),
-        errors.CorruptCheckpointError,
-        "model.safetensors",
-    ),
-    Case(
-        "dtype-size-mismatch",
-        _edit_entry("model.norm.weight", dtype="F16"),
-        errors.CorruptCheckpointError,
-        "'model.norm.weight'",
-    ),
-    Case(
-        "unknown-dtype",
-        _edit_entry("model.norm.weight", dtype="F99"),
-        errors.CorruptCheckpointError,
-        "'model.norm.weight'",
-    ),
-    Case(
-        "tensor-shape-mismatch",
-        _set_tensor("model.norm.weight", lambda t: t[:32].clone()),
-        errors.ShapeMismatchError,
-        "model.norm.weight",
-    ),
+    Case("config-not-a-causal-lm", _write("config.json", '{"model_type": "resnet"}'), errors.UnsupportedModelError, "config.json"),
+    Case("no-weight-files", lambda p: (p / "model.safetensors").unlink(), errors.CheckpointNotFoundError, "no weight files"),
+    Case("index-names-a-missing-shard", _index(lambda p: "model-00002-of-00002.safetensors"), errors.CheckpointNotFoundError, "model-00002-of-00002.safetensors"),
+    Case("index-shard-escapes", _index(lambda p: "../good.safetensors"), errors.UnsafeCheckpointError, "model.safetensors.index.json"),
+    Case("truncated-file", lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:-100]), errors.CorruptCheckpointError, "model.safetensors"),
+    Case("header-not-json", _edit_header(lambda h: "{not json" + " " * 10), errors.CorruptCheckpointError, "model.safetensors"),
+    Case("header-length-beyond-file", lambda p: (p / "model.safetensors").write_bytes(struct.pack("<Q", 10**9) + b"{}"), errors.CorruptCheckpointError, "model.safetensors"),
+    Case("dtype-size-mismatch", _edit_entry("model.norm.weight", dtype="F16"), errors.CorruptCheckpointError, "'model.norm.weight'"),
+    Case("unknown-dtype", _edit_entry("model.norm.weight", dtype="F99"), errors.CorruptCheckpointError, "'model.norm.weight'"),
+    Case("tensor-shape-mismatch", _set_tensor("model.norm.weight", lambda t: t[:32].clone()), errors.ShapeMismatchError, "model.norm.weight"),
     # -- silently accepted before
-    Case(
-        "longer-tensor",
-        _set_tensor("model.embed_tokens.weight", lambda t: torch.cat([t, t])),
-        errors.ShapeMismatchError,
-        "model.embed_tokens.weight",
-        {"verify": True},
-    ),
-    Case(
-        "longer-fused-source",
-        _set_tensor("model.layers.0.self_attn.q_proj.weight", lambda t: torch.cat([t, t[:1]])),
-        errors.ShapeMismatchError,
-        "q_proj",
-        {"force_hf": False},
-    ),
-    Case(
-        "pickle-broadcast",
-        _pickle_of(_long_and_short),
-        errors.ShapeMismatchError,
-        "model.embed_tokens.weight",
-        {"allow_pickle": True},
-    ),
-    Case(
-        "integer-tensor",
-        _set_tensor("model.norm.weight", lambda t: t.to(torch.int32)),
-        errors.DTypeMismatchError,
-        "model.norm.weight",
-    ),
-    Case(
-        "bool-tensor",
-        _set_tensor("model.norm.weight", lambda t: t.bool()),
-        errors.DTypeMismatchError,
-        "model.norm.weight",
-    ),
+    Case("longer-tensor", _set_tensor("model.embed_tokens.weight", lambda t: torch.cat([t, t])), errors.ShapeMismatchError, "model.embed_tokens.weight", {"verify": True}),
+    Case("longer-fused-source", _set_tensor("model.layers.0.self_attn.q_proj.weight", lambda t: torch.cat([t, t[:1]])), errors.ShapeMismatchError, "q_proj", {"force_hf": False}),
+    Case("pickle-broadcast", _pickle_of(_long_and_short), errors.ShapeMismatchError, "model.embed_tokens.weight", {"allow_pickle": True}),
+    Case("integer-tensor", _set_tensor("model.norm.weight", lambda t: t.to(torch.int32)), errors.DTypeMismatchError, "model.norm.weight"),
+    Case("bool-tensor", _set_tensor("model.norm.weight", lambda t: t.bool()), errors.DTypeMismatchError, "model.norm.weight"),
     Case("zero-size-between-overlapping", _edit_header(_zero_size_overlap), errors.CorruptCheckpointError, "overlap"),
-    Case(
-        "duplicate-header-key",
-        _edit_header(
-            lambda h: h[:-1] + "," + h[h.index(_GOOD_HEADER_TAIL) : h.index("}", h.index(_GOOD_HEADER_TAIL)) + 1] + "}"
-        ),
-        errors.CorruptCheckpointError,
-        "model.norm.weight",
-    ),
-    Case(
-        "bytes-after-the-last-tensor",
-        lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes() + bytes(8)),
-        errors.CorruptCheckpointError,
-        "after the last tensor",
-    ),
-    Case(
-        "metadata-not-strings",
-        _edit_header(lambda h: h.replace('"format":"pt"', '"format":1')),
-        errors.CorruptCheckpointError,
-        "__metadata__",
-    ),
-    Case(
-        "sequence-classification-architecture",
-        _config(architectures=["LlamaForSequenceClassification"]),
-        errors.UnsupportedModelError,
-        "config.json",
-    ),
+    Case("duplicate-header-key", _edit_header(lambda h: h[:-1] + "," + h[h.index(_GOOD_HEADER_TAIL):h.index("}", h.index(_GOOD_HEADER_TAIL)) + 1] + "}"), errors.CorruptCheckpointError, "model.norm.weight"),
+    Case("bytes-after-the-last-tensor", lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes() + bytes(8)), errors.CorruptCheckpointError, "after the last tensor"),
+    Case("metadata-not-strings", _edit_header(lambda h: h.replace('"format":"pt"', '"format":1')), errors.CorruptCheckpointError, "__metadata__"),
+    Case("sequence-classification-architecture", _config(architectures=["LlamaForSequenceClassification"]), errors.UnsupportedModelError, "config.json"),
     # -- foreign exceptions before
     Case("header-deep-nesting", _edit_header(lambda h: _DEEP), errors.CorruptCheckpointError, "model.safetensors"),
-    Case(
-        "index-deep-nesting",
-        _write("model.safetensors.index.json", '{"weight_map": ' + "[" * 5000),
-        errors.CorruptCheckpointError,
-        "model.safetensors.index.json",
-    ),
+    Case("index-deep-nesting", _write("model.safetensors.index.json", '{"weight_map": ' + "[" * 5000), errors.CorruptCheckpointError, "model.safetensors.index.json"),
     Case("config-deep-nesting", _write("config.json", "[" * 5000), errors.CorruptCheckpointError, "config.json"),
-    Case(
-        "header-integer-of-5000-digits",
-        _edit_header(lambda h: h.replace('"data_offsets":[0,', '"data_offsets":[' + "9" * 5000 + ",", 1)),
-        errors.CorruptCheckpointError,
-        "model.safetensors",
-    ),
-    Case(
-        "shard-name-with-nul",
-        _index(lambda p: "model\u0000.safetensors"),
-        errors.CorruptCheckpointError,
-        "model.safetensors.index.json",
-    ),
-    Case(
-        "dtype-a-list",
-        _edit_header(lambda h: h.replace('"F32"', '["F32"]', 1)),
-        errors.CorruptCheckpointError,
-        "model.safetensors",
-    ),
-    Case(
-        "shard-name-a-list",
-        _index(lambda p: ["model.safetensors"]),
-        errors.CorruptCheckpointError,
-        "model.safetensors.index.json",
-    ),
-    Case(
-        "index-not-utf8",
-        _write("model.safetensors.index.json", b'{"weight_map": {"\xff\xfe": "x"}}'),
-        errors.CorruptCheckpointError,
-        "model.safetensors.index.json",
-    ),
-    Case(
-        "index-weight-map-a-list",
-        _write("model.safetensors.index.json", '{"weight_map": []}'),
-        errors.CorruptCheckpointError,
-        "model.safetensors.index.json",
-    ),
-    Case(
-        "shard-name-too-long",
-        _index(lambda p: "x" * 5000 + ".safetensors"),
-        errors.CorruptCheckpointError,
-        "model.safetensors.index.json",
-    ),
-    Case(
-        "shard-name-component-too-long",
-        _index(lambda p: "x" * 300 + ".safetensors"),
-        errors.CheckpointNotFoundError,
-        "model.safetensors.index.json",
-    ),
+    Case("header-integer-of-5000-digits", _edit_header(lambda h: h.replace('"data_offsets":[0,', '"data_offsets":[' + "9" * 5000 + ",", 1)), errors.CorruptCheckpointError, "model.safetensors"),
+    Case("shard-name-with-nul", _index(lambda p: "model\u0000.safetensors"), errors.CorruptCheckpointError, "model.safetensors.index.json"),
+    Case("dtype-a-list", _edit_header(lambda h: h.replace('"F32"', '["F32"]', 1)), errors.CorruptCheckpointError, "model.safetensors"),
+    Case("shard-name-a-list", _index(lambda p: ["model.safetensors"]), errors.CorruptCheckpointError, "model.safetensors.index.json"),
+    Case("index-not-utf8", _write("model.safetensors.index.json", b'{"weight_map": {"\xff\xfe": "x"}}'), errors.CorruptCheckpointError, "model.safetensors.index.json"),
+    Case("index-weight-map-a-list", _write("model.safetensors.index.json", '{"weight_map": []}'), errors.CorruptCheckpointError, "model.safetensors.index.json"),
+    Case("shard-name-too-long", _index(lambda p: "x" * 5000 + ".safetensors"), errors.CorruptCheckpointError, "model.safetensors.index.json"),
+    Case("shard-name-component-too-long", _index(lambda p: "x" * 300 + ".safetensors"), errors.CheckpointNotFoundError, "model.safetensors.index.json"),
     Case("config-not-json", _write("config.json", "not json {"), errors.CorruptCheckpointError, "config.json"),
     Case("symlink-loop", _symlink_loop, errors.NeMoWrapError, "model.safetensors"),
     Case("config-negative-size", _config(hidden_size=-64), errors.UnsupportedModelError, "config.json"),
@@ -392,20 +245,8 @@ CASES = [
     Case("config-float-size", _config(hidden_size=64.5), errors.UnsupportedModelError, "config.json"),
     Case("config-vocabulary-of-10-to-12", _config(vocab_size=10**12), errors.UnsupportedModelError, "config.json"),
     Case("config-kv-heads-not-dividing", _config(num_key_value_heads=3), errors.UnsupportedModelError, "config.json"),
-    Case(
-        "pickle-garbage",
-        _pickle_bytes(b"not a pickle"),
-        errors.CorruptCheckpointError,
-        "pytorch_model.bin",
-        {"allow_pickle": True},
-    ),
-    Case(
-        "pickle-not-a-dict",
-        _pickle_of(lambda t: 5),
-        errors.CorruptCheckpointError,
-        "pytorch_model.bin",
-        {"allow_pickle": True},
-    ),
+    Case("pickle-garbage", _pickle_bytes(b"not a pickle"), errors.CorruptCheckpointError, "pytorch_model.bin", {"allow_pickle": True}),
+    Case("pickle-not-a-dict", _pickle_of(lambda t: 5), errors.CorruptCheckpointError, "pytorch_model.bin", {"allow_pickle": True}),
     Case("dtype-float8-argument", lambda p: None, errors.InvalidSetupError, "dtype=", {"dtype": torch.float8_e4m3fn}),
     Case("dtype-int-argument", lambda p: None, errors.InvalidSetupError, "dtype=", {"dtype": "int32"}),
     # -- unbounded time or memory before
@@ -413,58 +254,17 @@ CASES = [
     Case("header-of-15MB-empty-objects", _empties(15), errors.CorruptCheckpointError, "model.safetensors"),
     Case("header-of-15MB-strings", _string_list_header, errors.CorruptCheckpointError, "model.safetensors"),
     Case("index-of-120MB", _huge_index, errors.CorruptCheckpointError, "model.safetensors.index.json"),
-    Case(
-        "config-of-a-million-layers", _config(num_hidden_layers=10**6), errors.ShapeMismatchError, "num_hidden_layers"
-    ),
-    Case(
-        "fifo-named-by-a-pickle-index",
-        _pickle_index(_fifo_shard),
-        errors.CheckpointNotFoundError,
-        "shard.bin",
-        {"allow_pickle": True},
-    ),
+    Case("config-of-a-million-layers", _config(num_hidden_layers=10**6), errors.ShapeMismatchError, "num_hidden_layers"),
+    Case("fifo-named-by-a-pickle-index", _pickle_index(_fifo_shard), errors.CheckpointNotFoundError, "shard.bin", {"allow_pickle": True}),
     Case("fifty-thousand-unused-keys", _many_unused_tensors, errors.UnexpectedKeysError, "extra.0"),
     # -- reading outside the directory before
-    Case(
-        "pickle-index-parent-path",
-        _pickle_index(lambda p: "../outside.bin"),
-        errors.UnsafeCheckpointError,
-        "pytorch_model.bin.index.json",
-        {"allow_pickle": True},
-    ),
-    Case(
-        "pickle-index-absolute-path",
-        _pickle_index(lambda p: str(p.parent / "outside.bin")),
-        errors.UnsafeCheckpointError,
-        "pytorch_model.bin.index.json",
-        {"allow_pickle": True},
-    ),
-    Case(
-        "pickle-index-dev-zero",
-        _pickle_index(lambda p: "/dev/zero"),
-        errors.UnsafeCheckpointError,
-        "pytorch_model.bin.index.json",
-        {"allow_pickle": True},
-    ),
-    Case(
-        "weights-symlinked-outside",
-        _symlink_out("model.safetensors"),
-        errors.UnsafeCheckpointError,
-        "model.safetensors",
-    ),
+    Case("pickle-index-parent-path", _pickle_index(lambda p: "../outside.bin"), errors.UnsafeCheckpointError, "pytorch_model.bin.index.json", {"allow_pickle": True}),
+    Case("pickle-index-absolute-path", _pickle_index(lambda p: str(p.parent / "outside.bin")), errors.UnsafeCheckpointError, "pytorch_model.bin.index.json", {"allow_pickle": True}),
+    Case("pickle-index-dev-zero", _pickle_index(lambda p: "/dev/zero"), errors.UnsafeCheckpointError, "pytorch_model.bin.index.json", {"allow_pickle": True}),
+    Case("weights-symlinked-outside", _symlink_out("model.safetensors"), errors.UnsafeCheckpointError, "model.safetensors"),
     Case("config-symlinked-outside", _symlink_out("config.json"), errors.UnsafeCheckpointError, "config.json"),
-    Case(
-        "shard-symlink-loop",
-        lambda p: [(p / "loop.safetensors").symlink_to("loop.safetensors"), _index(lambda q: "loop.safetensors")(p)],
-        errors.CheckpointNotFoundError,
-        "loop.safetensors",
-    ),
-    Case(
-        "index-names-a-directory",
-        lambda p: [(p / "sub").mkdir(), _index(lambda q: "sub")(p)],
-        errors.CheckpointNotFoundError,
-        "sub",
-    ),
+    Case("shard-symlink-loop", lambda p: [(p / "loop.safetensors").symlink_to("loop.safetensors"), _index(lambda q: "loop.safetensors")(p)], errors.CheckpointNotFoundError, "loop.safetensors"),
+    Case("index-names-a-directory", lambda p: [(p / "sub").mkdir(), _index(lambda q: "sub")(p)], errors.CheckpointNotFoundError, "sub"),
 ]
 
 

@@ -37,17 +37,7 @@ def tiny_config(kind: str, **overrides):
         architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[base]
         return tiny_config(base, architectures=[architecture], **overrides)
     if kind == "gpt2":
-        return GPT2Config(
-            vocab_size=257,
-            n_embd=64,
-            n_layer=2,
-            n_head=4,
-            n_positions=128,
-            pad_token_id=3,
-            bos_token_id=1,
-            eos_token_id=2,
-            **overrides,
-        )
+        return GPT2Config(vocab_size=257, n_embd=64, n_layer=2, n_head=4, n_positions=128, pad_token_id=3, bos_token_id=1, eos_token_id=2, **overrides)
     classes = {
         "llama": LlamaConfig,
         "qwen2": Qwen2Config,

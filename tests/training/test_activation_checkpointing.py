@@ -71,9 +71,7 @@ def case_checkpointing(path: str, force_hf: bool, strategy: str, tp: int, lora: 
 @pytest.mark.parametrize(("strategy", "tp"), [("ddp", 1), ("fsdp2", 1), ("fsdp2", 2)], ids=["ddp", "fsdp2", "tp2"])
 @pytest.mark.parametrize(("kind", "force_hf"), KINDS, ids=[k for k, _ in KINDS])
 def test_checkpointing_changes_nothing_on_2_ranks(ranks2, checkpoints, kind, force_hf, strategy, tp):
-    for plain_loss, checkpointed_loss, difference in ranks2.run(
-        case_checkpointing, checkpoints[kind], force_hf, strategy, tp
-    ):
+    for plain_loss, checkpointed_loss, difference in ranks2.run(case_checkpointing, checkpoints[kind], force_hf, strategy, tp):
         assert checkpointed_loss == plain_loss and difference == 0.0
 
 
@@ -97,7 +95,5 @@ def test_checkpointing_with_lora_changes_nothing_on_2_ranks(ranks2, checkpoints,
 @pytest.mark.parametrize(("kind", "force_hf"), [KINDS[0], KINDS[2]], ids=["own-llama", "llama"])
 def test_checkpointing_changes_nothing_under_fsdp2_x_tp(ranks4, checkpoints, kind, force_hf):
     """4 ranks, fsdp2 over dp=2 of tensor parallel tp=2: fully_shard wraps the checkpointed layers."""
-    for plain_loss, checkpointed_loss, difference in ranks4.run(
-        case_checkpointing, checkpoints[kind], force_hf, "fsdp2", 2
-    ):
+    for plain_loss, checkpointed_loss, difference in ranks4.run(case_checkpointing, checkpoints[kind], force_hf, "fsdp2", 2):
         assert checkpointed_loss == plain_loss and difference == 0.0

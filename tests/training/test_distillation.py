@@ -82,13 +82,9 @@ def test_kd_ratio_zero_is_train_step(one_thread, kind, loss):
         got = distillation_step(distilled, teacher, distilled_sgd, _micro_batches(step, micro=2), 0.0, 2.0, 1.0)
         assert got.label_tokens == expected.label_tokens and got.kd_loss > 0
         rel = 0 if exact else 1e-5
-        assert got.loss == pytest.approx(expected.loss, rel=rel) and got.grad_norm == pytest.approx(
-            expected.grad_norm, rel=rel
-        )
+        assert got.loss == pytest.approx(expected.loss, rel=rel) and got.grad_norm == pytest.approx(expected.grad_norm, rel=rel)
     for name, tensor in _full_weights(plain).items():
-        torch.testing.assert_close(
-            _full_weights(distilled)[name], tensor, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-7
-        )
+        torch.testing.assert_close(_full_weights(distilled)[name], tensor, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-7)
 
 
 def test_a_teacher_equal_to_the_student_gives_zero_kd_and_no_update(one_thread):
@@ -224,7 +220,9 @@ def test_two_ranks_match_one_process(ranks2, strategy, tp_size):
     if tp_size == 1:
         assert [tokens for tokens, _, _ in results] == [19, 20]  # step 0: rows of 15 + 4 and 10 + 10 label tokens
     for _, losses, weights in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=LOSS_RTOL[tp_size], atol=0)
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(expected_losses), rtol=LOSS_RTOL[tp_size], atol=0
+        )
         assert weights.keys() == expected_weights.keys()
         for name, tensor in expected_weights.items():
             torch.testing.assert_close(

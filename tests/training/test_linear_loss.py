@@ -163,9 +163,7 @@ def test_a_packed_row_is_evaluated_and_trained_as_its_examples_one_by_one(kind, 
     with torch.no_grad():
         apart = sum(float(model(input_ids=ids[:, s : s + 8], labels=ids[:, s : s + 8]).loss) for s in (0, 8)) / 2
     assert evaluate(model, [batch]) == pytest.approx(apart, rel=1e-6)
-    assert train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [batch]).loss == pytest.approx(
-        apart, rel=1e-6
-    )
+    assert train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [batch]).loss == pytest.approx(apart, rel=1e-6)
 
 
 def test_under_bf16_mixed_the_chunked_path_is_within_the_full_paths_own_bf16_error():
