@@ -14,8 +14,9 @@ the fake mode: what it computes from fake tensors is fake, what it makes from si
 unless it is large (:mod:`.fake_allocations`: FSDP's gathered layers and buffers, AdamW's state).
 So its inputs, positions and labels are real (a few bytes) and the step takes the paths a real one
 takes (inside the mode transformers takes fake positions for a trace and builds the full attention
-mask a real step skips: +25% at 4k tokens, +50% at 8k). On the 36 configurations of
-``benchmarks/bench_memory.py`` the prediction equals the measured peak on every rank.
+mask a real step skips: +25% at 4k tokens, +50% at 8k). On 42 of the 48 configurations of
+``benchmarks/bench_memory.py`` the prediction equals the measured peak on every rank (the others:
+expert parallel, whose real router is uneven, and the first stage of two pipelines).
 
 What this cannot see: the allocator (fragmentation, caching, CUDA's context and workspaces) and
 the memory of the communication libraries themselves; the caller states them as not counted.
