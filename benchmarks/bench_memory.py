@@ -30,9 +30,8 @@ class Case:
     """One configuration: the model, the layout and the step's shape."""
 
     model: str  # untied | tied | moe | lora (the untied Llama with LoRA adapters) | qlora (4-bit, with them)
-    layout: (
-        str  # one | ddp | fsdp2 | tp | fsdp_tp | hsdp | cp | cp_dp | ep | ep_dp | ep_tp | pp_gpipe | pp_1f1b | pp_dp
-    )
+    # one | ddp | fsdp2 | tp | fsdp_tp | hsdp | cp | cp_dp | ep | ep_dp | ep_tp | pp_gpipe | pp_1f1b | pp_dp
+    layout: str
     rows: int
     tokens: int
     recompute: bool = False

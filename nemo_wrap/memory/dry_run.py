@@ -42,12 +42,12 @@ from nemo_wrap.auto.pipeline import LoadPipeline
 from nemo_wrap.distributed.collectives import collective_device
 from nemo_wrap.distributed.combinations import Feature
 from nemo_wrap.distributed.expert_parallel import ExpertLayout
-from nemo_wrap.distributed.expert_parallel.layout import EXPERTS_MODULE_STYLE, declared_expert_plan, expert_count
+from nemo_wrap.distributed.expert_parallel.layout import applicable_expert_plan, expert_count
 from nemo_wrap.distributed.expert_parallel.sharding import experts_modules
 from nemo_wrap.distributed.modules import decoder_layers
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import MemoryPredictionError
-from nemo_wrap.loading.model_state import HasModelState
+from nemo_wrap.loading.model_state import HasModelState, pipeline_of
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import Step
 from nemo_wrap.loading.provenance import LoadReport
@@ -165,8 +165,7 @@ def _step_peaks(
     # from the second micro-batch on, each holds what the second holds (the gradients accumulated
     # so far, one micro-batch's activations): two stand for any number, except in a pipeline,
     # whose schedule keeps several in flight
-    pipelined = cast(HasModelState, model).nemo_state.pipeline is not None
-    count = shape.accumulation if pipelined else min(shape.accumulation, 2)
+    count = shape.accumulation if pipeline_of(model) is not None else min(shape.accumulation, 2)
     micro_batches = [{"input_ids": rows} for _ in range(count)]
     label_tokens = shape.batch_size * (shape.seq_len - 1) * shape.accumulation * dp_size
     with GroupedMatmulInAnyFloat(), LargeAllocationsFake(fake_mode):  # outside the tracker (see the modules)
@@ -221,9 +220,9 @@ def model_sizes(path_or_config: str | Path | PretrainedConfig, options: LoadOpti
 def _experts_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
     """The modules expert parallel would dispatch tokens to (none for a dense model, or a family
     transformers declares no expert-parallel plan for)."""
-    plan = declared_expert_plan(type(model))
+    plan = applicable_expert_plan(type(model))
     count = expert_count(model.config)
-    if not count or EXPERTS_MODULE_STYLE not in plan.values():
+    if not count or plan is None:
         return []
     return experts_modules(model, ExpertLayout(count, 1, 1, tuple(plan.items())))
 

@@ -3,12 +3,12 @@ can predict.
 
 A layout is the setup's degrees (strategy, tensor-parallel, context-parallel, HSDP replicas,
 pipeline stages, expert-parallel), whether each decoder layer recomputes its activations in the
-backward, and the micro-batch. The
-job stays the one the user asked for: every layout takes the same rows per optimizer step over
-all data-parallel ranks (the global batch) of the same tokens, so they train the same steps and
-differ only in memory and cost. A pipeline runs 1F1B over a step's micro-batches, so it takes at
-least one micro-batch per stage. Not enumerated: tensor parallel across nodes (its per-layer
-exchanges would run at the inter-node speed), Megatron-FSDP (the dry run cannot trace it).
+backward, and the micro-batch. The job stays the one the user asked for: every layout takes the
+same rows per optimizer step over all data-parallel ranks (the global batch) of the same tokens,
+so they train the same steps and differ only in memory and cost. A pipeline runs 1F1B over a
+step's micro-batches, so it takes at least one micro-batch per stage. Not enumerated: tensor
+parallel across nodes (its per-layer exchanges would run at the inter-node speed), Megatron-FSDP
+(the dry run cannot trace it).
 """
 
 from __future__ import annotations

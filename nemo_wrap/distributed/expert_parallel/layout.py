@@ -82,6 +82,15 @@ def declared_expert_plan(model_class: type[PreTrainedModel]) -> dict[str, str]:
     return {f"{prefix}.{pattern}": style for pattern, style in plan.items()}
 
 
+def applicable_expert_plan(model_class: type[PreTrainedModel]) -> dict[str, str] | None:
+    """transformers' expert-parallel plan for ``model_class`` if nemo_wrap applies it (it dispatches
+    tokens to an experts module, with only the styles nemo_wrap applies), else None."""
+    plan = declared_expert_plan(model_class)
+    styles = set(plan.values())
+    applies = EXPERTS_MODULE_STYLE in styles and styles <= {EXPERTS_MODULE_STYLE, EXPERT_PARAMETER_STYLE}
+    return plan if applies else None
+
+
 def expert_count(config: PretrainedConfig) -> int:
     """Routed experts per MoE layer (0 for a dense model)."""
     return next((int(getattr(config, f)) for f in _EXPERT_COUNT_FIELDS if getattr(config, f, None)), 0)
@@ -103,12 +112,11 @@ def expert_layout(
             f"ep_size={degrees.ep}: {name} (model_type={config.model_type!r}) is a dense model with no experts; "
             "use ep_size=1"
         )
-    plan = declared_expert_plan(model_class)
-    styles = set(plan.values())
-    if EXPERTS_MODULE_STYLE not in styles or not styles <= {EXPERTS_MODULE_STYLE, EXPERT_PARAMETER_STYLE}:
+    plan = applicable_expert_plan(model_class)
+    if plan is None:
         raise ShardingError(
             f"ep_size={degrees.ep}: transformers declares no expert-parallel plan nemo_wrap can apply for {name} "
-            f"(base_model_ep_plan={plan or None}); use ep_size=1"
+            f"(base_model_ep_plan={declared_expert_plan(model_class) or None}); use ep_size=1"
         )
     if count % degrees.ep != 0:
         working = [n for n in range(1, count + 1) if count % n == 0]

@@ -41,11 +41,12 @@ class StageTensors:
         """The stage's input and output for micro-batches of ``rows × tokens``, as meta tensors."""
         hidden = torch.empty(rows, tokens, self.hidden_size, dtype=self.dtype, device="meta", requires_grad=True)
         ids = torch.empty(rows, tokens, dtype=torch.long, device="meta")
+        inputs = ids if layout.is_first else hidden
         if not layout.is_last:
-            return (ids if layout.is_first else hidden), hidden
+            return inputs, hidden
         shape = (1,) if self.chunked_loss else (rows, tokens, self.vocab_size)
         output = torch.empty(shape, dtype=torch.float32 if self.chunked_loss else self.dtype, device="meta")
-        return (ids if layout.is_first else hidden), output.requires_grad_()
+        return inputs, output.requires_grad_()
 
 
 @dataclass
