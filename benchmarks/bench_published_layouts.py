@@ -35,6 +35,7 @@ def _llama(hidden: int, intermediate: int, layers: int, heads: int) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
+        architectures=["LlamaForCausalLM"],  # as Meta's config.json names it: nemo_wrap's fused class
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
@@ -112,6 +113,7 @@ class Published:
     ep: int = 1
     pp: int = 1  # stages, run by 1F1B
     micro_batches: int = 1  # per pipeline schedule
+    sequence_parallel: bool = False  # tensor parallel's stream cut along the sequence, as the source sets it
 
     def setup(self) -> Any:
         from nemo_wrap import DistributedSetup
@@ -119,12 +121,13 @@ class Published:
         if self.gpus == 1:
             return DistributedSetup.single_process()
         degrees = {"tp_size": self.tp, "cp_size": self.cp, "ep_size": self.ep, "pp_size": self.pp}
-        return DistributedSetup.build("fsdp2", self.gpus, **degrees)
+        return DistributedSetup.build("fsdp2", self.gpus, **degrees, sequence_parallel=self.sequence_parallel)
 
     def degrees(self) -> str:
         parts = [f"fsdp {self.gpus // (self.tp * self.cp * self.pp)}"] if self.gpus > 1 else ["one GPU"]
         named = (("tp", self.tp), ("cp", self.cp), ("pp", self.pp), ("ep", self.ep))
-        return " × ".join(parts + [f"{name} {size}" for name, size in named if size > 1])
+        cut = " (sequence parallel)" if self.sequence_parallel else ""
+        return " × ".join(parts + [f"{name} {size}" for name, size in named if size > 1]) + cut
 
     def options(self) -> Any:
         from peft import LoraConfig
@@ -205,6 +208,7 @@ PUBLISHED = [
         8192,
         "full",
         "bf16-mixed",
+        sequence_parallel=True,
     ),
     Published(
         "Llama-3-70B",
@@ -238,6 +242,7 @@ PUBLISHED = [
         "full",
         "bf16",
         lora_rank=16,
+        sequence_parallel=True,
     ),
     Published(
         "Llama-3-70B",
@@ -255,6 +260,7 @@ PUBLISHED = [
         "full",
         "bf16",
         lora_rank=16,
+        sequence_parallel=True,
     ),
     Published(
         "Llama-3.1-405B",
@@ -267,6 +273,7 @@ PUBLISHED = [
         8192,
         "full",
         "bf16-mixed",
+        sequence_parallel=True,
     ),
     Published(
         "Qwen3-30B-A3B",
@@ -417,10 +424,12 @@ def table() -> Table:
         "checkpoints selected ops; the bounds are no checkpointing (above) and every layer recomputed (below). "
         "Precision `bf16-mixed`: fp32 parameters and AdamW state, bf16 compute (torchtitan's default); `bf16`: bf16 "
         "parameters and state (Automodel's `torch_dtype: bfloat16` with Adam). Deep models are dry-run at depths 4 "
-        "and 5 and extrapolated (docs/memory.md). Tensor parallel is nemo_wrap's, without sequence parallel: the "
-        "layer inputs that checkpointing keeps are whole on every tensor-parallel rank. Pipeline layouts: 1F1B, one "
-        "stage per rank (the sources run interleaved 1F1B); torchtitan measured 82.5 GiB for its 405B layout with "
-        "1F1B (float8, torch.compile, asynchronous TP with sequence parallel)."
+        "and 5 and extrapolated (docs/memory.md). Tensor parallel is nemo_wrap's, with sequence parallel where the "
+        "source turns it on (torchtitan always; Automodel's `sequence_parallel: true`), except beside pipeline "
+        "stages, where nemo_wrap refuses it: there the layer inputs that checkpointing keeps are whole on every "
+        "tensor-parallel rank. Pipeline layouts: 1F1B, one stage per rank (the sources run interleaved 1F1B); "
+        "torchtitan measured 82.5 GiB for its 405B layout with 1F1B (float8, torch.compile, asynchronous TP with "
+        "sequence parallel)."
     )
     return result
 

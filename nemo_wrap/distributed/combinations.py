@@ -34,6 +34,7 @@ class Feature(enum.Enum):
     """One thing a job can use; the value is its name in the support matrix."""
 
     TENSOR = "tensor parallel"
+    SEQUENCE = "sequence parallel (of tensor parallel)"
     PIPELINE = "pipeline parallel"
     CONTEXT = "context parallel"
     EXPERT = "expert parallel"
@@ -86,6 +87,13 @@ REFUSALS: tuple[Refusal, ...] = (
         UnsupportedSetupError,
         "expert parallel is not built beside context parallel yet",
         "use cp_size=1 or ep_size=1",
+    ),
+    Refusal(
+        Feature.SEQUENCE,
+        Feature.PIPELINE,
+        UnsupportedSetupError,
+        "pipeline stages hand each other whole hidden states, not sequence-cut DTensors",
+        "use sequence_parallel=False or pp_size=1",
     ),
     Refusal(
         Feature.CONTEXT,
@@ -183,6 +191,8 @@ def setup_arguments(setup: DistributedSetup) -> dict[Feature, str]:
         Feature.EXPERT: degrees.ep,
     }
     arguments = {feature: f"{_ARGUMENT[feature]}={size}" for feature, size in sizes.items() if size > 1}
+    if setup.sequence_parallel:
+        arguments[Feature.SEQUENCE] = "sequence_parallel=True"
     return arguments | dict.fromkeys(setup.entry.traits, f"strategy={setup.strategy!r}")
 
 

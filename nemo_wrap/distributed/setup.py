@@ -54,6 +54,7 @@ class DistributedSetup:
     degrees: ParallelDegrees
     options: Any
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)  # schedule and layer split (pp > 1)
+    sequence_parallel: bool = False  # tp's residual stream cut along the sequence between blocks
     _mesh_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
@@ -68,6 +69,7 @@ class DistributedSetup:
         dp_replicate_size: int = 1,
         pp_schedule: str = "1f1b",
         pp_layer_split: tuple[int, ...] | list[int] | None = None,
+        sequence_parallel: bool = False,
         **options: Any,
     ) -> DistributedSetup:
         """Validate and freeze a setup. Raises :class:`InvalidSetupError` naming the bad argument.
@@ -77,7 +79,9 @@ class DistributedSetup:
         Whether the strategy can run here (CUDA, optional packages) is checked when a model is
         sharded with it, not here: a setup may describe a job for another machine.
         ``pp_schedule`` is torch's pipeline schedule (``"1f1b"`` or ``"gpipe"``), ``pp_layer_split``
-        the decoder layers per stage (default: balanced).
+        the decoder layers per stage (default: balanced). ``sequence_parallel`` cuts tensor
+        parallel's residual stream along the sequence between blocks (Megatron's sequence parallel):
+        the same bytes exchanged, ``1/tp`` of the activations between blocks kept.
         """
         try:
             entry = strategy_entry(strategy)
@@ -94,7 +98,12 @@ class DistributedSetup:
         split = None if pp_layer_split is None else tuple(pp_layer_split)
         PipelineOptions(pp_schedule, split).check(degrees.pp)
         pipeline = PipelineOptions(PipelineSchedule(pp_schedule), split)
-        return cls(entry.name, degrees, _build_options(entry, options), pipeline)
+        if sequence_parallel and degrees.tp == 1:
+            raise InvalidSetupError(
+                "DistributedSetup.build: sequence_parallel=True cuts tensor parallel's activations, and "
+                "tp_size=1: pass tp_size > 1 or sequence_parallel=False"
+            )
+        return cls(entry.name, degrees, _build_options(entry, options), pipeline, sequence_parallel)
 
     @classmethod
     def single_process(cls) -> DistributedSetup:
@@ -193,6 +202,11 @@ class DistributedSetup:
                 else f"layers per stage {list(self.pipeline.layer_split)}"
             )
             lines.append(f"pipeline schedule {self.pipeline.schedule} (torch.distributed.pipelining), {split}")
+        if self.sequence_parallel:
+            lines.append(
+                f"sequence parallel: between blocks each tp rank holds 1/{self.tp_size} of every sequence "
+                "(blocks all-gather their input and reduce-scatter their output)"
+            )
         return lines + self.degrees.describe_usage()
 
     def dp_rank(self) -> int:

@@ -34,7 +34,7 @@ from nemo_wrap.distributed.precision import (
 )
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.distributed.tensor_parallel import TensorParallelPlan, check_tensor_parallel_supported
-from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.errors import InvalidSetupError, UnsupportedSetupError
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.plan import DEFAULT_CHUNK_TOKENS, Adapters, LoadPlan, LossPath, LossPlan, Step
 from nemo_wrap.models.config_checks import check_config_sizes, check_layer_count
@@ -128,7 +128,12 @@ def _tensor_parallel_plan(request: LoadRequest, experts: ExpertLayout | None) ->
     setup, source = request.setup, request.source
     if not setup.uses_tensor_parallel:
         return None
-    plan = source.spec.parallel_plan()
+    plan = source.spec.parallel_plan(setup.sequence_parallel)
+    if setup.sequence_parallel and source.spec.sequence_parallel_plan is None:
+        raise UnsupportedSetupError(
+            f"{source.model_class.__name__} has no sequence-parallel plan (nemo_wrap's fused Llama, Qwen2 "
+            "and Qwen3 have one): use sequence_parallel=False"
+        )
     if plan is not None and experts is not None:
         plan = experts.without_expert_entries(plan)
     check_tensor_parallel_supported(plan, request.config, setup.tp_size, source.model_class.__name__)

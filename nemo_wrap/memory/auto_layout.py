@@ -158,7 +158,7 @@ def choose_layout(
         raise InvalidSetupError(f"choose_layout: margin must be in [0, 1), got {margin!r}")
     options = options or LoadOptions()
     sizes = model_sizes(path_or_config, options)
-    layouts = candidate_layouts(machine, global_batch, sizes.layers, sizes.experts)
+    layouts = candidate_layouts(machine, global_batch, sizes.layers, sizes.experts, sizes.sequence_parallel)
     costed = [(layout, step_cost(layout, sizes, machine, seq_len)) for layout in layouts]
     if not costed:
         raise InvalidSetupError(

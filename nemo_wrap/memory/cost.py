@@ -42,7 +42,7 @@ from nemo_wrap.memory.layouts import Layout, Machine
 
 @dataclass(frozen=True)
 class ModelSizes:
-    """What the cost model needs of the model: sizes, not values."""
+    """What the cost model and the search need of the model: sizes, not values."""
 
     parameters: int  # count, for the arithmetic
     parameter_bytes: int
@@ -56,6 +56,7 @@ class ModelSizes:
     moe_layers: int = 0
     expert_bytes: int = 0  # the experts' parameter bytes, in every MoE layer
     expert_trainable_bytes: int = 0
+    sequence_parallel: bool = False  # whether its architecture has a sequence-parallel plan
 
 
 @dataclass(frozen=True)

@@ -194,7 +194,8 @@ def layer_sampling(
 
 def model_sizes(path_or_config: str | Path | PretrainedConfig, options: LoadOptions) -> ModelSizes:
     """The sizes the cost model charges for, from the model as one process builds it on meta."""
-    model = _model_on_meta(path_or_config, options)
+    pipeline = dry_run_pipeline(path_or_config, DistributedSetup.single_process(), options)
+    model = pipeline.perform(_steps_before_materializing(pipeline.plan.steps))
     parameters = list(model.parameters())
     config = model.config
     heads = config.num_attention_heads
@@ -214,6 +215,7 @@ def model_sizes(path_or_config: str | Path | PretrainedConfig, options: LoadOpti
         moe_layers=len(experts),
         expert_bytes=_bytes(expert_parameters),
         expert_trainable_bytes=_bytes(p for p in expert_parameters if p.requires_grad),
+        sequence_parallel=pipeline.source.spec.sequence_parallel_plan is not None,
     )
 
 

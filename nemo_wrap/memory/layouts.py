@@ -3,12 +3,14 @@ can predict.
 
 A layout is the setup's degrees (strategy, tensor-parallel, context-parallel, HSDP replicas,
 pipeline stages, expert-parallel), whether each decoder layer recomputes its activations in the
-backward, and the micro-batch. The job stays the one the user asked for: every layout takes the
-same rows per optimizer step over all data-parallel ranks (the global batch) of the same tokens,
-so they train the same steps and differ only in memory and cost. A pipeline runs 1F1B over a
-step's micro-batches, so it takes at least one micro-batch per stage. Not enumerated: tensor
-parallel across nodes (its per-layer exchanges would run at the inter-node speed), Megatron-FSDP
-(the dry run cannot trace it).
+backward, and the micro-batch. Tensor parallel cuts its stream along the sequence wherever the
+architecture has the plan for it and no pipeline runs beside it: the same bytes exchanged as
+without, fewer activations kept, so there is nothing to choose. The job stays the one the user
+asked for: every layout takes the same rows per optimizer step over all data-parallel ranks (the
+global batch) of the same tokens, so they train the same steps and differ only in memory and
+cost. A pipeline runs 1F1B over a step's micro-batches, so it takes at least one micro-batch per
+stage. Not enumerated: tensor parallel across nodes (its per-layer exchanges would run at the
+inter-node speed), Megatron-FSDP (the dry run cannot trace it).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Layout:
     accumulation: int
     activation_checkpointing: bool = False
     tp: int = 1
+    sequence_parallel: bool = False
     cp: int = 1
     dp_replicate: int = 1
     pp: int = 1
@@ -73,6 +76,7 @@ class Layout:
             dp_replicate_size=self.dp_replicate,
             pp_size=self.pp,
             ep_size=self.ep,
+            sequence_parallel=self.sequence_parallel,
         )
 
     def shape(self, seq_len: int) -> TrainingShape:
@@ -86,6 +90,8 @@ class Layout:
     def describe(self) -> str:
         named = (("tp", self.tp), ("cp", self.cp), ("pp", self.pp), ("ep", self.ep))
         degrees = [f"{name} {size}" for name, size in named if size > 1]
+        if self.sequence_parallel:
+            degrees.append("sequence parallel")
         if self.dp_replicate > 1:
             degrees.append(f"{self.dp_replicate} replicas")
         recomputed = ", recomputed" if self.activation_checkpointing else ""
@@ -99,6 +105,8 @@ class Layout:
         if machine.nnodes == 1:
             distributed["nproc"] = machine.nproc_per_node
         distributed.update(tp_size=self.tp, cp_size=self.cp, dp_replicate_size=self.dp_replicate)
+        if self.sequence_parallel:
+            distributed["sequence_parallel"] = True
         if self.pp > 1:
             distributed.update(pp_size=self.pp, pp_schedule="1f1b")
         if self.ep > 1:
@@ -111,13 +119,18 @@ class Layout:
         return {"distributed": distributed, "training": training}
 
 
-def candidate_layouts(machine: Machine, global_batch: int, layers: int, experts: int) -> tuple[Layout, ...]:
+def candidate_layouts(
+    machine: Machine, global_batch: int, layers: int, experts: int, sequence_parallel: bool = False
+) -> tuple[Layout, ...]:
     """Every layout of ``machine`` that takes ``global_batch`` rows a step, for a model of ``layers``
     decoder layers and ``experts`` experts a MoE layer (0: dense): each degree combination whose
     data-parallel ranks share the rows evenly, with every micro-batch that divides a rank's rows
-    (a pipeline's micro-batches at least its stages), with and without recomputing activations."""
+    (a pipeline's micro-batches at least its stages), with and without recomputing activations;
+    with tensor parallel cut along the sequence if the architecture has the plan
+    (``sequence_parallel``) and no pipeline runs."""
     layouts = []
     for strategy, tp, cp, replicas, pp, ep in _degree_combinations(machine, layers, experts):
+        cut = sequence_parallel and tp > 1 and pp == 1
         data_parallel = machine.world_size // (tp * cp * pp)
         if global_batch % data_parallel:
             continue
@@ -125,7 +138,7 @@ def candidate_layouts(machine: Machine, global_batch: int, layers: int, experts:
         for micro_batch in (size for size in range(rows, 0, -1) if rows % size == 0 and rows // size >= pp):
             for recompute in (False, True):
                 batches = rows // micro_batch
-                layouts.append(Layout(strategy, micro_batch, batches, recompute, tp, cp, replicas, pp, ep))
+                layouts.append(Layout(strategy, micro_batch, batches, recompute, tp, cut, cp, replicas, pp, ep))
     return tuple(layouts)
 
 

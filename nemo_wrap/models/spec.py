@@ -36,6 +36,8 @@ class ModelSpec:
       names and transformers' checkpoint keys; ``None`` for transformers' own classes, whose keys
       follow transformers' own conversion mapping (renames, merged experts) where it has one.
     - ``tensor_parallel_plan``: the ``parallelize_module`` plan; ``None`` means no tensor parallel.
+    - ``sequence_parallel_plan``: the plan with the residual stream cut along the sequence between
+      blocks (``sequence_parallel=True``); ``None`` means the architecture has none.
     - ``gradient_sum_modules``: module patterns kept whole under tensor parallel although they act
       on a rank's local heads (Qwen3's q/k norms), whose gradients are summed over the tp ranks.
     """
@@ -44,6 +46,7 @@ class ModelSpec:
     model_class: type[PreTrainedModel] | None = None
     state_dict_adapter: Callable[[PretrainedConfig], StateDictAdapter] | None = None
     tensor_parallel_plan: Callable[[], TensorParallelPlan] | None = None
+    sequence_parallel_plan: Callable[[], TensorParallelPlan] | None = None
     gradient_sum_modules: tuple[str, ...] = ()
 
     @property
@@ -77,11 +80,13 @@ class ModelSpec:
         if self.state_dict_adapter is None:
             require_supported(conversion_transforms(architecture, model_type))
 
-    def parallel_plan(self) -> TensorParallelPlan | None:
-        """The full tensor-parallel plan, gradient-summed modules included; ``None`` if there is none."""
-        if self.tensor_parallel_plan is None:
+    def parallel_plan(self, sequence_parallel: bool = False) -> TensorParallelPlan | None:
+        """The full tensor-parallel plan (with the sequence cut between blocks if asked),
+        gradient-summed modules included; ``None`` if there is none."""
+        build = self.sequence_parallel_plan if sequence_parallel else self.tensor_parallel_plan
+        if build is None:
             return None
         return {
-            **self.tensor_parallel_plan(),
+            **build(),
             **{pattern: ReplicateWithGradientSum() for pattern in self.gradient_sum_modules},
         }

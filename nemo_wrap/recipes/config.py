@@ -92,6 +92,12 @@ class DistributedSection(Checked):
     strategy: str = option("fsdp2", f"{' | '.join(strategy_names())}", "--strategy", _one_of(*strategy_names()))
     nproc: int | None = option(None, "local ranks to launch through torchrun (not with torchrun)", "--nproc", _positive)
     tp_size: int = option(1, "tensor-parallel degree", "--tp-size", _positive)
+    sequence_parallel: bool = option(
+        False,
+        "with tp: cut the activations between blocks along the sequence over the tp ranks (1/tp of them kept, "
+        "the same bytes exchanged; not with pp)",
+        "--sequence-parallel",
+    )
     dp_replicate_size: int = option(1, "data-parallel replicas (HSDP with fsdp2)", "--dp-replicate-size", _positive)
     cp_size: int = option(1, "context-parallel degree (fsdp2)", "--cp-size", _positive)
     pp_size: int = option(1, "pipeline-parallel stages (fsdp2)", "--pp-size", _positive)

@@ -120,6 +120,7 @@ def distributed_setup(recipe: Recipe, world_size: int) -> DistributedSetup:
         pp_size=d.pp_size,
         ep_size=d.ep_size,
         pp_schedule=d.pp_schedule,
+        sequence_parallel=d.sequence_parallel,
         **options,
     )
 

@@ -23,6 +23,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 # How a load asks for each feature: (strategy, DistributedSetup.build degrees, plan() keywords).
 LOAD_FEATURES = {
     Feature.TENSOR: (None, {"tp_size": 2}, {}),
+    Feature.SEQUENCE: (None, {"tp_size": 2, "sequence_parallel": True}, {}),
     Feature.PIPELINE: (None, {"pp_size": 2}, {}),
     Feature.CONTEXT: (None, {"cp_size": 2}, {}),
     Feature.EXPERT: (None, {"ep_size": 2}, {}),
@@ -36,6 +37,7 @@ LOAD_FEATURES = {
 # What the code refused before the table existed (written out here, so a row dropped from the table fails).
 REFUSED_PAIRS = {
     (Feature.EXPERT, Feature.PIPELINE), (Feature.EXPERT, Feature.CONTEXT), (Feature.CONTEXT, Feature.PIPELINE),
+    (Feature.SEQUENCE, Feature.PIPELINE),
     (Feature.COMPILE, Feature.TENSOR), *((Feature.FOUR_BIT, other) for other in (
         Feature.FROM_CONFIG, Feature.FLAT_BUFFERS, Feature.TENSOR, Feature.PIPELINE, Feature.CONTEXT,
         Feature.EXPERT, Feature.BF16_MIXED, Feature.COMPILE)),

@@ -183,8 +183,10 @@ def test_packed_rows_activation_checkpointing_and_lora_under_context_parallel(ra
     ("degrees", "kind"),
     [({"cp_size": 4}, "fused-llama"), ({"cp_size": 4}, "fused-qwen3"), ({"cp_size": 4}, "fallback-mistral"),
      ({"cp_size": 2}, "fused-qwen3"), ({"cp_size": 2, "tp_size": 2}, "fused-llama"),
-     ({"cp_size": 2, "tp_size": 2}, "fallback-mistral"), ({"cp_size": 2, "dp_replicate_size": 2}, "fused-llama")],
-    ids=["cp4", "cp4-qwen3", "cp4-fallback", "cp2-dp_shard2", "cp2-tp2", "cp2-tp2-fallback", "cp2-hsdp"],
+     ({"cp_size": 2, "tp_size": 2}, "fallback-mistral"), ({"cp_size": 2, "dp_replicate_size": 2}, "fused-llama"),
+     ({"cp_size": 2, "tp_size": 2, "sequence_parallel": True}, "fused-qwen3")],
+    ids=["cp4", "cp4-qwen3", "cp4-fallback", "cp2-dp_shard2", "cp2-tp2", "cp2-tp2-fallback", "cp2-hsdp",
+         "cp2-tp2-sequence-parallel"],
 )
 def test_four_ranks_of_context_parallel_compose_with_fsdp_and_tensor_parallel(ranks4, tmp_path, degrees, kind):
     tiny, overrides = KINDS[kind]

@@ -32,6 +32,7 @@ from nemo_wrap.distributed.strategies.fsdp2 import FSDP2Options, ReshardAfterFor
         (dict(strategy="fsdp2", world_size=2, param_dtype="bf16"), "param_dtype"),
         (dict(strategy="fsdp2", world_size=2, reshard_after_forward="yes"), "reshard_after_forward='yes'"),
         (dict(strategy="fsdp2", world_size=2, reshard_after_forward=False), "'layers', 'always', 'never'"),
+        (dict(strategy="fsdp2", world_size=2, sequence_parallel=True), "sequence_parallel=True"),
     ],
 )
 def test_invalid_arguments_name_the_argument(kwargs, named):

@@ -57,9 +57,12 @@ def _build(model_key: str, setup):
     return NeMoAutoModelForCausalLM.from_config(tiny_config(kind, **overrides), distributed_setup=setup, seed=SEED)
 
 
-def case_train(model_key, strategy, world_size, tp_size, optimizer_name, steps, micro, max_grad_norm=None):
-    setup = DistributedSetup.build(strategy, world_size, tp_size=tp_size)
+def case_train(model_key, strategy, world_size, tp_size, optimizer_name, steps, micro, max_grad_norm=None,
+               sequence_parallel=False):  # fmt: skip
+    setup = DistributedSetup.build(strategy, world_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
     model = _build(model_key, setup)
+    if sequence_parallel:  # what sequence parallel is for: the checkpointed layers keep 1/tp of their inputs
+        model.activation_checkpointing_enable()
     losses, norms, tokens = _train(model, setup, optimizer_name, steps, micro, max_grad_norm)
     weights = _full_weights(model) if optimizer_name == "sgd" else None
     return losses, norms, tokens, weights
@@ -100,13 +103,19 @@ def test_sgd_final_weights_match_one_process(ranks2, model_key, strategy, tp_siz
             torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("model_key", ["llama-tied", "qwen2-bias", "qwen3-qk-norm", "own-llama-tied"])
-def test_fsdp2_over_tensor_parallel_two_by_two(ranks4, model_key):
+@pytest.mark.parametrize(
+    ("model_key", "sequence_parallel"),
+    [("llama-tied", False), ("qwen2-bias", False), ("qwen3-qk-norm", False), ("own-llama-tied", False),
+     ("own-qwen3", True), ("own-llama-tied", True)],
+    ids=["llama-tied", "qwen2-bias", "qwen3-qk-norm", "own-llama-tied", "own-qwen3-sequence-parallel",
+         "own-llama-tied-sequence-parallel"],
+)  # fmt: skip
+def test_fsdp2_over_tensor_parallel_two_by_two(ranks4, model_key, sequence_parallel):
     expected_losses, _, _, _ = _reference(model_key, "adamw", 4)
     _, _, _, expected_weights = _reference(model_key, "sgd", 3)
-    for losses, _, _, _ in ranks4.run(case_train, model_key, "fsdp2", 4, 2, "adamw", 4, 1):
+    for losses, _, _, _ in ranks4.run(case_train, model_key, "fsdp2", 4, 2, "adamw", 4, 1, None, sequence_parallel):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=0)
-    for _, _, _, weights in ranks4.run(case_train, model_key, "fsdp2", 4, 2, "sgd", 3, 1):
+    for _, _, _, weights in ranks4.run(case_train, model_key, "fsdp2", 4, 2, "sgd", 3, 1, None, sequence_parallel):
         for name, tensor in expected_weights.items():
             torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 

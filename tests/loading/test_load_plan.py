@@ -189,3 +189,17 @@ def test_plan_refuses_what_the_load_refuses_with_the_same_error(tmp_path, kind, 
     with pytest.raises(ShardingError) as loaded:
         NeMoAutoModelForCausalLM.from_pretrained(tmp_path, distributed_setup=setup)
     assert str(planned.value) == str(loaded.value)
+
+
+@pytest.mark.parametrize(("kind", "refused"), [("own-llama", False), ("llama", True), ("own-qwen3", False)])
+def test_sequence_parallel_is_planned_where_the_architecture_has_a_plan_for_it(kind, refused):
+    """Our fused classes cut the stream along the sequence; transformers' classes have no such plan."""
+    from nemo_wrap.errors import UnsupportedSetupError
+
+    setup = DistributedSetup.build("fsdp2", 4, tp_size=2, sequence_parallel=True)
+    if refused:
+        with pytest.raises(UnsupportedSetupError, match="has no sequence-parallel plan.*sequence_parallel=False"):
+            NeMoAutoModelForCausalLM.plan(tiny_config(kind), distributed_setup=setup)
+        return
+    plan = NeMoAutoModelForCausalLM.plan(tiny_config(kind), distributed_setup=setup)
+    assert "sequence parallel: between blocks each tp rank holds 1/2 of every sequence" in str(plan)

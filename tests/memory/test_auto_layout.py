@@ -79,6 +79,11 @@ def test_every_candidate_trains_the_asked_rows_per_step_on_the_machine():
     # pipeline stages, but none beside expert parallel (the load refuses the two together)
     deep = {layout.degrees for layout in candidate_layouts(machine, 8, layers=4, experts=4)}
     assert any(degrees[4] > 1 for degrees in deep) and not any(degrees[4] > 1 and degrees[5] > 1 for degrees in deep)
+    # an architecture with a sequence-parallel plan cuts every tensor-parallel layout's stream but a pipeline's
+    cut = candidate_layouts(machine, global_batch=8, layers=4, experts=0, sequence_parallel=True)
+    assert {layout.degrees for layout in cut} == degrees
+    assert all(layout.sequence_parallel == (layout.tp > 1 and layout.pp == 1) for layout in cut)
+    assert not any(layout.sequence_parallel for layout in layouts)
     # one rank: what finetune runs there, fsdp2 on a world of one
     assert {layout.degrees for layout in candidate_layouts(Machine(1, MIB), 4, layers=4, experts=0)} == {plain}
     with pytest.raises(InvalidSetupError, match="nproc_per_node"):
@@ -127,6 +132,7 @@ def test_the_cost_model_charges_a_pipeline_its_bubble_and_expert_parallel_its_al
     "layout",
     [
         Layout("fsdp2", 2, 3, activation_checkpointing=True, tp=2),
+        Layout("fsdp2", 2, 3, activation_checkpointing=True, tp=2, sequence_parallel=True),
         Layout("fsdp2", 1, 4, pp=2),
         Layout("fsdp2", 2, 1, ep=2),
     ],

@@ -29,8 +29,11 @@ MEMORY_DOCS = README.parent / "docs" / "memory.md"
 TOLERANCE = 0.05
 
 
-def _config(tied: bool) -> LlamaConfig:
+def _config(tied: bool, fused: bool = False) -> LlamaConfig:
+    """The Llama of these tests: transformers' class, or nemo_wrap's fused one (``fused``), which
+    has a sequence-parallel plan."""
     return LlamaConfig(
+        architectures=["LlamaForCausalLM"] if fused else None,
         vocab_size=4096,
         hidden_size=256,
         intermediate_size=704,
@@ -66,6 +69,8 @@ def _setup(layout: str, world_size: int) -> DistributedSetup:
         return DistributedSetup.build("fsdp2", world_size, cp_size=2)
     if layout == "ep":
         return DistributedSetup.build("fsdp2", world_size, ep_size=2)
+    if layout == "sequence-parallel":
+        return DistributedSetup.build("fsdp2", world_size, tp_size=2, sequence_parallel=True)
     if layout in ("gpipe", "1f1b"):
         return DistributedSetup.build("fsdp2", world_size, pp_size=2, pp_schedule=layout)
     return DistributedSetup.build("fsdp2", world_size, tp_size=2 if layout == "tp" else 1)
@@ -81,7 +86,7 @@ def case_measured_peak(
     """This rank's tensor peak in the second of two real training steps of ``shape``."""
     torch.set_num_threads(1)
     setup = _setup(layout, world_size)
-    config = _moe_config() if moe else _config(tied)
+    config = _moe_config() if moe else _config(tied, fused=setup.sequence_parallel)
     model = NeMoAutoModelForCausalLM.from_config(config, setup, options=_options(lora))
     if shape.activation_checkpointing:
         model.activation_checkpointing_enable()
@@ -131,6 +136,16 @@ def test_two_rank_predictions_match_each_rank_s_measured_peak(ranks2, tied, layo
     measured = ranks2.run(case_measured_peak, tied, layout, 2, shape)
     assert [rank.rank for rank in predicted.per_rank] == [0, 1]
     _assert_close([rank.peak_bytes for rank in predicted.per_rank], measured)
+
+
+def test_sequence_parallel_predictions_match_each_rank_s_measured_peak_and_keep_less(ranks2):
+    config, whole = _config(tied=False, fused=True), _setup("tp", 2)
+    predicted = predict_memory(config, _setup("sequence-parallel", 2), RECOMPUTED)
+    measured = ranks2.run(case_measured_peak, False, "sequence-parallel", 2, RECOMPUTED)
+    _assert_close([rank.peak_bytes for rank in predicted.per_rank], measured)
+    kept = [dict(prediction.per_rank[0].breakdown)[MemoryCategory.ACTIVATIONS]
+            for prediction in (predicted, predict_memory(config, whole, RECOMPUTED))]  # fmt: skip
+    assert kept[0] < kept[1], kept
 
 
 def test_fsdp2_s_gathered_layers_and_buffers_are_counted_to_the_byte(ranks2):

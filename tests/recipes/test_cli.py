@@ -151,10 +151,11 @@ def test_report_lists_every_tensor_and_verifies(cache, capsys):
     ("argv", "named"),
     [
         (["finetune", "--strategy", "ddp", "--tp-size", "2"], "tp_size=2"),
+        (["finetune", "--sequence-parallel"], "sequence_parallel=True"),
         (["report", "{tmp}/no-such-checkpoint"], "no-such-checkpoint"),
         (["finetune", "--steps", "1", "--data", "{tmp}/missing.txt"], "missing.txt"),
     ],
-    ids=["bad-setup", "missing-checkpoint", "missing-data"],
+    ids=["bad-setup", "sequence-parallel-without-tp", "missing-checkpoint", "missing-data"],
 )
 def test_errors_exit_2_with_one_line_naming_the_problem(cache, tmp_path, capsys, argv, named):
     with pytest.raises(SystemExit) as excinfo:

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -141,7 +142,9 @@ class DecoderModel(nn.Module):
                 cache=cache,
             )
         last = self.norm(hidden_states)
-        return DecoderOutput(last, cache, (*layer_inputs, last) if output_hidden_states else None)
+        if not output_hidden_states:
+            return DecoderOutput(last, cache, None)
+        return DecoderOutput(last, cache, (*(_whole(state) for state in layer_inputs), last))
 
     def _attention_masks(
         self,
@@ -166,6 +169,12 @@ class DecoderModel(nn.Module):
             )
             for layer_type in set(self.layer_types)
         }
+
+
+def _whole(hidden_states: torch.Tensor) -> torch.Tensor:
+    """A layer's input as the caller sees it: under sequence parallel the stream between layers
+    is a DTensor cut along the sequence, gathered here (differentiably) into a plain tensor."""
+    return hidden_states.full_tensor() if isinstance(hidden_states, DTensor) else hidden_states
 
 
 def refuse_attention_weights(output_attentions: bool | None, model_name: str) -> None:

@@ -1,6 +1,6 @@
 """Llama with fused q/k/v and gate/up projections: the model and its spec."""
 
-from nemo_wrap.models.common.parallelize import fused_decoder_plan
+from nemo_wrap.models.common.parallelize import fused_decoder_plan, fused_decoder_sequence_parallel_plan
 from nemo_wrap.models.common.state_dict_adapter import FusedStateDictAdapter
 from nemo_wrap.models.llama.model import NeMoLlamaForCausalLM
 from nemo_wrap.models.spec import ModelSpec
@@ -10,6 +10,7 @@ SPEC = ModelSpec(
     model_class=NeMoLlamaForCausalLM,
     state_dict_adapter=FusedStateDictAdapter,
     tensor_parallel_plan=fused_decoder_plan,
+    sequence_parallel_plan=fused_decoder_sequence_parallel_plan,
 )
 
 __all__ = ["SPEC", "NeMoLlamaForCausalLM"]

@@ -4,7 +4,11 @@ Under tensor parallel the q/k norms see only a rank's heads, so the spec has the
 summed over the tp ranks.
 """
 
-from nemo_wrap.models.common.parallelize import QK_NORM_MODULES, fused_decoder_plan
+from nemo_wrap.models.common.parallelize import (
+    QK_NORM_MODULES,
+    fused_decoder_plan,
+    fused_decoder_sequence_parallel_plan,
+)
 from nemo_wrap.models.common.state_dict_adapter import FusedStateDictAdapter
 from nemo_wrap.models.qwen3.model import NeMoQwen3ForCausalLM
 from nemo_wrap.models.spec import ModelSpec
@@ -14,6 +18,7 @@ SPEC = ModelSpec(
     model_class=NeMoQwen3ForCausalLM,
     state_dict_adapter=FusedStateDictAdapter,
     tensor_parallel_plan=fused_decoder_plan,
+    sequence_parallel_plan=fused_decoder_sequence_parallel_plan,
     gradient_sum_modules=QK_NORM_MODULES,
 )
 
