@@ -76,13 +76,6 @@ def _four_bit(second: Feature, reason: str, way_out: str) -> Refusal:
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         Feature.EXPERT,
-        Feature.PIPELINE,
-        UnsupportedSetupError,
-        "expert parallel is not built beside pipeline stages yet",
-        "use pp_size=1 or ep_size=1",
-    ),
-    Refusal(
-        Feature.EXPERT,
         Feature.CONTEXT,
         UnsupportedSetupError,
         "expert parallel is not built beside context parallel yet",

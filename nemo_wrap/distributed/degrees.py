@@ -88,8 +88,10 @@ class ParallelDegrees:
 
     def expert_mesh_layout(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The expert mesh, the same ranks viewed as ``(dp_replicate, efsdp, ep)`` (transformers'
-        expert mesh): ``ep`` varies fastest, so an expert group is the tp group when ep == tp."""
-        dims = [(MeshDim.DP_REPLICATE, self.dp_replicate)] if self.dp_replicate > 1 else []
+        expert mesh): ``ep`` varies fastest, so an expert group is the tp group when ep == tp.
+        Pipeline stages come first, as in the dense mesh: each stage's experts live on its own ranks."""
+        dims = [(MeshDim.PP, self.pp)] if self.pp > 1 else []
+        dims += [(MeshDim.DP_REPLICATE, self.dp_replicate)] if self.dp_replicate > 1 else []
         dims += [(MeshDim.EFSDP, self.efsdp), (MeshDim.EP, self.ep)]
         return tuple(size for _, size in dims), tuple(name for name, _ in dims)
 

@@ -145,10 +145,9 @@ def candidate_layouts(
 def _degree_combinations(machine: Machine, layers: int, experts: int) -> list[Degrees]:
     """(strategy, tp, cp, replicas, pp, ep): DDP; fsdp2 with tp within a node, pipeline stages (up
     to one a layer) and cp over what is left; on several nodes also HSDP with one replica per node
-    (shards within the node); for a MoE model, each of those without pipeline stages with every
-    expert-parallel degree that divides the experts and the ranks that share a batch's data
-    (``dp_shard × tp``). One rank runs what ``nemo-wrap finetune`` runs there: fsdp2 on a world of
-    one."""
+    (shards within the node); for a MoE model, each of those with every expert-parallel degree that
+    divides the experts and the ranks of a stage that share a batch's data (``dp_shard × tp``).
+    One rank runs what ``nemo-wrap finetune`` runs there: fsdp2 on a world of one."""
     world = machine.world_size
     combinations = [("ddp", 1, 1, 1, 1, 1)] if world > 1 else []
     for tp in _divisors(world):
@@ -162,8 +161,7 @@ def _degree_combinations(machine: Machine, layers: int, experts: int) -> list[De
                     replicas.append(machine.nnodes)
                 for replica in replicas:
                     shards = data_parallel // replica
-                    # expert parallel is not built beside pipeline stages (the load refuses it)
-                    for ep in _expert_degrees(experts if pp == 1 else 0, shards * tp):
+                    for ep in _expert_degrees(experts, shards * tp):
                         combinations.append(("fsdp2", tp, cp, replica, pp, ep))
     return combinations
 

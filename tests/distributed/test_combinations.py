@@ -36,7 +36,7 @@ LOAD_FEATURES = {
 }
 # What the code refused before the table existed (written out here, so a row dropped from the table fails).
 REFUSED_PAIRS = {
-    (Feature.EXPERT, Feature.PIPELINE), (Feature.EXPERT, Feature.CONTEXT), (Feature.CONTEXT, Feature.PIPELINE),
+    (Feature.EXPERT, Feature.CONTEXT), (Feature.CONTEXT, Feature.PIPELINE),
     (Feature.SEQUENCE, Feature.PIPELINE),
     (Feature.COMPILE, Feature.TENSOR), *((Feature.FOUR_BIT, other) for other in (
         Feature.FROM_CONFIG, Feature.FLAT_BUFFERS, Feature.TENSOR, Feature.PIPELINE, Feature.CONTEXT,

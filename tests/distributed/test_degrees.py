@@ -73,12 +73,13 @@ def test_every_degree_is_planned_and_unbuilt_combinations_are_refused_in_plan_an
     mixtral = family_config("mixtral")
     text = str(NeMoAutoModelForCausalLM.plan(mixtral, DistributedSetup.build("fsdp2", 8, tp_size=2, ep_size=4)))
     assert "expert parallel over ep=4 of the dp_shard × cp × tp ranks (expert mesh efsdp=2, ep=4)" in text
-    for other in ("cp_size", "pp_size"):
-        setup = DistributedSetup.build("fsdp2", 8, ep_size=2, **{other: 2})
-        with pytest.raises(UnsupportedSetupError, match=f"ep_size=2 does not compose with {other}=2"):
-            NeMoAutoModelForCausalLM.plan(mixtral, setup)
-        with pytest.raises(UnsupportedSetupError, match=f"ep_size=2 does not compose with {other}=2"):
-            NeMoAutoModelForCausalLM.from_config(mixtral, distributed_setup=setup)
+    text = str(NeMoAutoModelForCausalLM.plan(mixtral, DistributedSetup.build("fsdp2", 8, pp_size=2, ep_size=2)))
+    assert "(expert mesh pp=2, efsdp=2, ep=2)" in text  # each stage's experts over its own 4 ranks
+    setup = DistributedSetup.build("fsdp2", 8, ep_size=2, cp_size=2)
+    with pytest.raises(UnsupportedSetupError, match="ep_size=2 does not compose with cp_size=2"):
+        NeMoAutoModelForCausalLM.plan(mixtral, setup)
+    with pytest.raises(UnsupportedSetupError, match="ep_size=2 does not compose with cp_size=2"):
+        NeMoAutoModelForCausalLM.from_config(mixtral, distributed_setup=setup)
 
 
 def test_cli_plan_prints_every_degree(capsys):

@@ -249,6 +249,7 @@ LAYOUTS = {  # name → DistributedSetup.build keywords on 4 ranks
     "hsdp": {"ep_size": 2, "dp_replicate_size": 2},
     "ep2xtp2": {"ep_size": 2, "tp_size": 2},
     "ep4": {"ep_size": 4},
+    "pp2xep2": {"ep_size": 2, "pp_size": 2, "pp_schedule": "gpipe"},  # each stage's experts over its 2 ranks
 }
 
 
@@ -275,7 +276,7 @@ def case_four_ranks(directory: str, layout: str) -> dict:
 
 @pytest.mark.parametrize(
     ("family", "layout"), [(f, "ep2xdp2") for f in FAMILIES] + [("mixtral", "hsdp"), ("olmoe", "ep2xtp2"),
-                                                                 ("qwen3_moe", "ep4")],
+                                                                 ("qwen3_moe", "ep4"), ("mixtral", "pp2xep2")],
 )  # fmt: skip
 def test_four_ranks_train_as_one_process_with_each_rank_holding_its_share_of_its_experts(
     ranks4, family, layout, tmp_path
@@ -292,10 +293,23 @@ def test_four_ranks_train_as_one_process_with_each_rank_holding_its_share_of_its
             torch.tensor(result["sgd"]), torch.tensor(result["reference_sgd"]), rtol=1e-5, atol=0
         )
         run = list(range(result["ep_rank"] * per_rank, (result["ep_rank"] + 1) * per_rank))
-        efsdp = 4 // ep // (LAYOUTS[layout].get("dp_replicate_size", 1))
+        efsdp = 4 // ep // LAYOUTS[layout].get("dp_replicate_size", 1) // LAYOUTS[layout].get("pp_size", 1)
         share = run[result["efsdp_rank"] :: efsdp] if efsdp > 1 else run  # FSDP splits the run over efsdp
         assert result["experts"] and all(held == share for held in result["experts"].values()), result["experts"]
     assert results[0]["reference"][-1] < results[0]["reference"][0]
+
+
+def test_each_pipeline_stage_of_experts_is_predicted_within_the_goal_of_its_measured_peak(ranks4):
+    """Pipeline stages over expert-parallel ranks (1F1B, 2 stages × ep 2): each rank's predicted peak
+    within ±10% of the real step's (the dry run routes tokens evenly, the real router does not)."""
+    from nemo_wrap import TrainingShape, predict_memory
+    from tests.memory.test_predict_memory import _moe_config, _setup, case_measured_peak
+
+    shape = TrainingShape(batch_size=2, seq_len=128, accumulation=2)
+    predicted = [rank.peak_bytes for rank in predict_memory(_moe_config(), _setup("pp-ep", 4), shape).per_rank]
+    measured = ranks4.run(case_measured_peak, False, "pp-ep", 4, shape, moe=True, timeout=300)
+    ratios = [p / m for p, m in zip(predicted, measured, strict=True)]
+    assert all(abs(ratio - 1) <= 0.10 for ratio in ratios), (predicted, measured, ratios)
 
 
 def case_guarantees(directory: str, resume_dir: str) -> dict:

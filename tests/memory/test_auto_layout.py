@@ -76,9 +76,10 @@ def test_every_candidate_trains_the_asked_rows_per_step_on_the_machine():
     assert {degrees[5] for degrees in moe if degrees[:5] == plain[:5]} == {1, 2, 4}
     assert {degrees[5] for degrees in moe if degrees[:5] == ("fsdp2", 1, 2, 1, 1)} == {1, 2}
     assert all(degrees[4] == 1 for degrees in moe)  # one layer: no pipeline
-    # pipeline stages, but none beside expert parallel (the load refuses the two together)
+    # pipeline stages, and expert parallel inside each stage over the stage's ranks that share a batch
     deep = {layout.degrees for layout in candidate_layouts(machine, 8, layers=4, experts=4)}
-    assert any(degrees[4] > 1 for degrees in deep) and not any(degrees[4] > 1 and degrees[5] > 1 for degrees in deep)
+    assert {degrees[5] for degrees in deep if degrees[:5] == ("fsdp2", 1, 1, 1, 2)} == {1, 2}
+    assert {degrees[5] for degrees in deep if degrees[:5] == ("fsdp2", 1, 1, 1, 4)} == {1}
     # an architecture with a sequence-parallel plan cuts every tensor-parallel layout's stream but a pipeline's
     cut = candidate_layouts(machine, global_batch=8, layers=4, experts=0, sequence_parallel=True)
     assert {layout.degrees for layout in cut} == degrees
@@ -135,6 +136,7 @@ def test_the_cost_model_charges_a_pipeline_its_bubble_and_expert_parallel_its_al
         Layout("fsdp2", 2, 3, activation_checkpointing=True, tp=2, sequence_parallel=True),
         Layout("fsdp2", 1, 4, pp=2),
         Layout("fsdp2", 2, 1, ep=2),
+        Layout("fsdp2", 1, 4, pp=2, ep=2),
     ],
     ids=lambda layout: layout.describe(),
 )

@@ -69,6 +69,8 @@ def _setup(layout: str, world_size: int) -> DistributedSetup:
         return DistributedSetup.build("fsdp2", world_size, cp_size=2)
     if layout == "ep":
         return DistributedSetup.build("fsdp2", world_size, ep_size=2)
+    if layout == "pp-ep":
+        return DistributedSetup.build("fsdp2", world_size, pp_size=2, ep_size=2)
     if layout == "sequence-parallel":
         return DistributedSetup.build("fsdp2", world_size, tp_size=2, sequence_parallel=True)
     if layout in ("gpipe", "1f1b"):
