@@ -7,7 +7,8 @@ re-runs some (names below) and keeps the others' latest tables; ``--readme`` als
 ``benchmarks:start`` / ``benchmarks:end`` marks.
 Each benchmark runs its measurements in fresh processes; the whole suite takes about 35 minutes
 on a 2-core machine (the three QLoRA tables about 14 of them), plus about 12 for ``peer``, 3 for
-``verify``, 5 for ``default_precision`` and 15 for ``published_layouts``.
+``verify``, 5 for ``default_precision``, 15 for ``published_layouts`` and an hour for
+``auto_at_scale``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from benchmarks import (
     bench_activation_checkpointing,
     bench_async_save,
+    bench_auto_at_scale,
     bench_auto_layout,
     bench_compile,
     bench_context_parallel,
@@ -71,6 +73,7 @@ SUITE: dict[str, Callable[[], Table]] = {
     "memory": bench_memory.table,
     "auto_layout": bench_auto_layout.table,
     "published_layouts": bench_published_layouts.table,
+    "auto_at_scale": bench_auto_at_scale.table,
 }
 
 
