@@ -102,7 +102,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TensorPar
     or head counts that do not divide.
     """
     check_tensor_parallel_supported(plan, model.config, tp_mesh.size(), type(model).__name__)
+    trainable = {name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)}
     parallelize_module(model, tp_mesh, dict(plan or {}), src_data_rank=None)
+    # SequenceParallel registers each norm weight anew as a Parameter, which takes gradients: a
+    # weight frozen before (everything but the adapters, under LoRA) would silently train.
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(trainable[name])
     # Each style registered a new Parameter, so a tied lm_head now holds its own copy; the
     # embedding and the lm_head are both Shard(0) on the same mesh, so re-tying is exact.
     cast("PreTrainedModel", model).tie_weights()  # a transformers model: its spec gave the plan

@@ -134,6 +134,6 @@ def test_the_sampled_prediction_equals_the_whole_trace_on_fsdp2(monkeypatch):
 def test_the_sampled_prediction_of_one_process_matches_the_measured_peak(monkeypatch):
     shape = TrainingShape(batch_size=2, seq_len=128)
     predicted = predict_memory(_llama(), DistributedSetup.single_process(), shape).peak_bytes
-    monkeypatch.setattr("tests.memory.test_predict_memory._config", lambda tied: _llama())
+    monkeypatch.setattr("tests.memory.test_predict_memory._config", lambda tied, fused=False: _llama())
     measured = case_measured_peak(False, "one", 1, shape)
     assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)

@@ -134,12 +134,13 @@ def _train_two_steps(model) -> list[float]:
 
 
 def _setup(strategy: str) -> DistributedSetup:
-    """``"tp"``: tensor parallel over every rank; ``"2x2"``: fsdp2 over 2 × tp 2; else the strategy."""
+    """``"tp"``: tensor parallel over every rank; ``"2x2"``: fsdp2 over 2 × tp 2, with sequence
+    parallel (the adapters' inputs are the blocks' gathered inputs); else the strategy."""
     world = dist.get_world_size()
     if strategy == "tp":
         return DistributedSetup.build("fsdp2", world, tp_size=world)
     if strategy == "2x2":
-        return DistributedSetup.build("fsdp2", world, tp_size=2)
+        return DistributedSetup.build("fsdp2", world, tp_size=2, sequence_parallel=True)
     return DistributedSetup.build(strategy, world)
 
 

@@ -378,7 +378,7 @@ def test_a_qlora_run_resumes_from_a_sharded_checkpoint_on_2_ranks(ranks2, tmp_pa
 
 
 # -- the real model: QLoRA chat SFT of SmolLM2-135M-Instruct on the bundled chat set ----------------
-SFT_STEPS = 20
+SFT_STEPS = 8
 
 
 def case_smollm2_qlora_sft(path: str, output_dir: str) -> list[float]:
