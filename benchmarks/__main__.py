@@ -7,7 +7,7 @@ re-runs some (names below) and keeps the others' latest tables; ``--readme`` als
 ``benchmarks:start`` / ``benchmarks:end`` marks.
 Each benchmark runs its measurements in fresh processes; the whole suite takes about 35 minutes
 on a 2-core machine (the three QLoRA tables about 14 of them), plus about 12 for ``peer``, 3 for
-``verify``, 5 for ``default_precision``, 15 for ``published_layouts`` and an hour for
+``verify``, 5 for ``default_precision``, 15 for ``published_layouts`` and hours for
 ``auto_at_scale``.
 """
 

@@ -8,7 +8,9 @@ at depths 4 and 5 and extrapolated, as every prediction is. Goal: a choice that 
 job; where it differs from the published layout, the table shows which is cheaper by the cost
 model (communication and recomputation; the cost model does not know float8, torch.compile or
 interleaved schedules).
-Run: ``python -m benchmarks --only auto_at_scale`` (about an hour on 2 cores).
+Run: ``python -m benchmarks --only auto_at_scale``. Slow on 2 cores: the 8B job's search took 500 s,
+the Qwen3-30B-A3B job's had not finished after 45 minutes (pipelines are dry-run whole: every
+stage's layers, every micro-batch).
 """
 
 from __future__ import annotations
