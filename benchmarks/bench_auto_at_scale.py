@@ -33,8 +33,7 @@ class Job:
     def global_batch(self) -> int:
         """Rows per optimizer step over every data-parallel rank, as the published layout runs them."""
         layout = self.published
-        data_parallel = layout.gpus // (layout.tp * layout.cp * layout.pp)
-        return layout.rows * layout.micro_batches * data_parallel
+        return layout.rows * layout.micro_batches * layout.data_parallel
 
 
 def _job(model: str, degrees: str) -> Job:

@@ -123,8 +123,13 @@ class Published:
         degrees = {"tp_size": self.tp, "cp_size": self.cp, "ep_size": self.ep, "pp_size": self.pp}
         return DistributedSetup.build("fsdp2", self.gpus, **degrees, sequence_parallel=self.sequence_parallel)
 
+    @property
+    def data_parallel(self) -> int:
+        """The ranks that share each step's rows: the GPUs over tp, cp and pp."""
+        return self.gpus // (self.tp * self.cp * self.pp)
+
     def degrees(self) -> str:
-        parts = [f"fsdp {self.gpus // (self.tp * self.cp * self.pp)}"] if self.gpus > 1 else ["one GPU"]
+        parts = [f"fsdp {self.data_parallel}"] if self.gpus > 1 else ["one GPU"]
         named = (("tp", self.tp), ("cp", self.cp), ("pp", self.pp), ("ep", self.ep))
         cut = " (sequence parallel)" if self.sequence_parallel else ""
         return " × ".join(parts + [f"{name} {size}" for name, size in named if size > 1]) + cut

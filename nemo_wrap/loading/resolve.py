@@ -128,12 +128,12 @@ def _tensor_parallel_plan(request: LoadRequest, experts: ExpertLayout | None) ->
     setup, source = request.setup, request.source
     if not setup.uses_tensor_parallel:
         return None
-    plan = source.spec.parallel_plan(setup.sequence_parallel)
     if setup.sequence_parallel and source.spec.sequence_parallel_plan is None:
         raise UnsupportedSetupError(
             f"{source.model_class.__name__} has no sequence-parallel plan (nemo_wrap's fused Llama, Qwen2 "
             "and Qwen3 have one): use sequence_parallel=False"
         )
+    plan = source.spec.parallel_plan(setup.sequence_parallel)
     if plan is not None and experts is not None:
         plan = experts.without_expert_entries(plan)
     check_tensor_parallel_supported(plan, request.config, setup.tp_size, source.model_class.__name__)
