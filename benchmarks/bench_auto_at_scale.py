@@ -3,14 +3,14 @@ published layouts of ``bench_published_layouts`` run: the same model, GPUs, rows
 and precision, with the layout left to ``choose_layout``. The table sets its choice beside the
 published one, with the predicted peak and the cost model's step overhead of each.
 
-The budget is the named GPU's memory less the 10% margin ``--auto`` keeps. Deep models are dry-run
-at depths 4 and 5 and extrapolated, as every prediction is. Goal: a choice that fits for every
-job; where it differs from the published layout, the table shows which is cheaper by the cost
-model (communication and recomputation; the cost model does not know float8, torch.compile or
-interleaved schedules).
-Run: ``python -m benchmarks --only auto_at_scale``. Slow on 2 cores: the 8B job's search took 500 s,
-the Qwen3-30B-A3B job's had not finished after 45 minutes (pipelines are dry-run whole: every
-stage's layers, every micro-batch).
+The budget is the named GPU's memory less the 10% margin ``--auto`` keeps. Deep models and
+pipeline stages are dry-run at depths 4 and 5 and extrapolated, long 1F1B steps at P + 1 and P + 2
+micro-batches, as every prediction is. Goal: a choice that fits for every job; where it differs
+from the published layout, the table shows which is cheaper by the cost model (communication and
+recomputation; the cost model does not know float8, torch.compile or interleaved schedules).
+Run: ``python -m benchmarks --only auto_at_scale``. Slow on 2 cores, about a minute a dry run: the
+8B job's search took 500 s, the Qwen3-30B-A3B job's 56 minutes (52 dry runs); the jobs of 32 to
+128 GPUs have hundreds of degree combinations and take hours.
 """
 
 from __future__ import annotations

@@ -74,6 +74,10 @@ class ParallelDegrees:
         """How many ranks hold the same experts (and FSDP-shard them): dp_shard · cp · tp over ep."""
         return self.dp_shard * self.cp * self.tp // self.ep
 
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage of ``rank``: ``pp`` is every mesh's outermost dimension."""
+        return rank // (self.world_size // self.pp)
+
     def mesh_layout(self, kept: tuple[MeshDim, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The mesh's shape and dimension names: the data-parallel dims always, the others when their
         size is above 1 or they are in ``kept``."""

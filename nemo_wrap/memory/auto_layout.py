@@ -30,6 +30,7 @@ from nemo_wrap.memory.dry_run import model_sizes
 from nemo_wrap.memory.layouts import Degrees, Layout, Machine, candidate_layouts
 from nemo_wrap.memory.predict import predict_memory
 from nemo_wrap.memory.prediction import DEFAULT_MARGIN
+from nemo_wrap.progress import progress_bar
 from nemo_wrap.vocabulary import Vocabulary
 
 TOP = 5
@@ -165,16 +166,21 @@ def choose_layout(
             f"choose_layout: no layout of {machine.world_size} ranks shares {global_batch} rows evenly"
         )
     job = _Job(path_or_config, machine, seq_len, options, int(machine.device_memory * (1 - margin)))
-    search = _Search(job, [layout for layout, _ in costed])
-    judged = [search.judge(layout, cost) for layout, cost in sorted(costed, key=lambda pair: pair[1].seconds)]
+    # a search of minutes at real scale: a bar over the candidates, naming the one dry-run now
+    with progress_bar(len(costed), "layouts judged", speaks_for_the_job=True, unit="layout") as bar:
+        search = _Search(job, [layout for layout, _ in costed], bar)
+        judged = []
+        for layout, cost in sorted(costed, key=lambda pair: pair[1].seconds):
+            judged.append(search.judge(layout, cost))
+            bar.update()
     return LayoutChoice(machine, margin, global_batch, seq_len, tuple(judged))
 
 
 class _Search:
     """The search's memory: each layout's dry run (once), which degrees fit, which were refused."""
 
-    def __init__(self, job: _Job, layouts: Sequence[Layout]) -> None:
-        self.job, self.layouts = job, layouts
+    def __init__(self, job: _Job, layouts: Sequence[Layout], bar: Any) -> None:
+        self.job, self.layouts, self.bar = job, layouts, bar
         self.fitting_degrees: set[Degrees] = set()
         self.refused: dict[Degrees, str] = {}
         self.peaks: dict[Layout, int] = {}
@@ -207,6 +213,7 @@ class _Search:
         if layout.degrees in self.refused:
             return False
         if layout not in self.peaks:
+            self.bar.set_postfix_str(f"dry run of {layout.describe()}")
             try:
                 self.peaks[layout] = self.job.peak(layout)
             except NeMoWrapError as error:  # the same for every variant of these degrees

@@ -45,6 +45,8 @@ from nemo_wrap.distributed.expert_parallel import ExpertLayout
 from nemo_wrap.distributed.expert_parallel.layout import applicable_expert_plan, expert_count
 from nemo_wrap.distributed.expert_parallel.sharding import experts_modules
 from nemo_wrap.distributed.modules import decoder_layers
+from nemo_wrap.distributed.pipeline.layout import PipelineSchedule, stage_layouts
+from nemo_wrap.distributed.pipeline.stage_model import has_tied_embeddings
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import MemoryPredictionError
 from nemo_wrap.loading.model_state import HasModelState, pipeline_of
@@ -55,9 +57,9 @@ from nemo_wrap.memory.balanced_routing import balanced_routing
 from nemo_wrap.memory.cost import ModelSizes
 from nemo_wrap.memory.fake_allocations import LargeAllocationsFake
 from nemo_wrap.memory.fake_kernels import GroupedMatmulInAnyFloat
-from nemo_wrap.memory.layer_sampling import LayerSampling, layers_alike, sample_layers, with_depth
 from nemo_wrap.memory.pipeline_stages import ReceivesDeliverOnes, declared_stage_tensors
 from nemo_wrap.memory.prediction import MemoryCategory, RankMemory, StepPhase, TrainingShape
+from nemo_wrap.memory.step_sampling import StepSampling, layers_alike, sample_step, with_depth
 from nemo_wrap.memory.tracking import second_step_peaks_by_phase
 from nemo_wrap.training.step import step_with_label_count
 
@@ -87,11 +89,12 @@ def simulate_rank(
     depth: int,
 ) -> dict[StepPhase, RankMemory]:
     """The predicted peaks of ``rank``, of each phase of the step, for the model cut to ``depth``
-    decoder layers (see :mod:`.layer_sampling`), by a dry run in this process, which must hold no
-    process group (it creates a fake one, and destroys it). DDP's replica is traced as one process
-    (torch's ``replicate`` reads storage as it wraps, and fake tensors have none), plus the
-    gradient buckets its reducer allocates once and keeps: as large as the trainable parameters
-    (measured: the whole difference between a DDP rank's peak and one process's)."""
+    decoder layers (as many in every pipeline stage; see :mod:`.step_sampling`), by a dry run in
+    this process, which must hold no process group (it creates a fake one, and destroys it). DDP's
+    replica is traced as one process (torch's ``replicate`` reads storage as it wraps, and fake
+    tensors have none), plus the gradient buckets its reducer allocates once and keeps: as large as
+    the trainable parameters (measured: the whole difference between a DDP rank's peak and one
+    process's)."""
     replicated = Feature.REPLICATED in setup.entry.traits
     traced = DistributedSetup.single_process() if replicated else setup
     if traced.is_collective:
@@ -120,9 +123,7 @@ def _dry_run(
 ) -> tuple[PreTrainedModel, dict[StepPhase, _Peak]]:
     """The model cut to ``depth`` layers, built, sharded and materialized on fake tensors, and its
     step's peaks. The plan is the full model's: only what is built is cut."""
-    pipeline = dry_run_pipeline(path_or_config, setup, options)  # config and headers: real reads
-    if depth != pipeline.config.num_hidden_layers:
-        pipeline = dataclasses.replace(pipeline, config=with_depth(pipeline.config, depth))
+    pipeline = _cut(dry_run_pipeline(path_or_config, setup, options), depth)  # config and headers: real reads
     # on the meta device, as in a real load; meshes and groups are made of real rank tensors
     model = pipeline.perform(_steps_before_materializing(pipeline.plan.steps))
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -134,6 +135,20 @@ def _dry_run(
     # transformers takes a fake position for tracing and would build masks the real step skips
     with _data_independent_step(model, pipeline):
         return model, _step_peaks(model, shape, dp_size, fake_mode)
+
+
+def _cut(pipeline: LoadPipeline, depth: int) -> LoadPipeline:
+    """``pipeline`` building ``depth`` decoder layers, as many in every pipeline stage (or the whole
+    model, split as it is, when ``depth`` is its own count)."""
+    if depth == pipeline.config.num_hidden_layers:
+        return pipeline
+    plan = pipeline.plan
+    if plan.stages:
+        if depth % len(plan.stages):
+            raise MemoryPredictionError(f"predict_memory: {depth} layers do not fill {len(plan.stages)} stages alike")
+        tied = plan.stages[0].tied_embeddings
+        plan = dataclasses.replace(plan, stages=stage_layouts(depth, len(plan.stages), None, tied))
+    return dataclasses.replace(pipeline, plan=plan, config=with_depth(pipeline.config, depth))
 
 
 @contextlib.contextmanager
@@ -181,15 +196,20 @@ def _step_peaks(
     }
 
 
-def layer_sampling(
-    path_or_config: str | Path | PretrainedConfig, options: LoadOptions, setup: DistributedSetup
-) -> LayerSampling:
-    """Which depths the dry runs trace, decided on the model as one process builds it on meta.
-    Pipeline stages are traced whole: a stage builds only its own layers, and which ones comes
-    from the full model's split over the stages, which a cut model would not keep."""
+def step_sampling(
+    path_or_config: str | Path | PretrainedConfig, options: LoadOptions, setup: DistributedSetup, shape: TrainingShape
+) -> StepSampling:
+    """Which dry runs stand for the step (:mod:`.step_sampling`), decided on the model as one
+    process builds it on meta and on the stages the setup splits it into."""
     model = _model_on_meta(path_or_config, options)
-    alike = layers_alike(decoder_layers(model), model.config) and setup.degrees.pp == 1
-    return sample_layers(model.config.num_hidden_layers, alike)
+    config = model.config
+    stages: tuple[int, ...] = (config.num_hidden_layers,)
+    if setup.degrees.pp > 1:
+        tied = has_tied_embeddings(model)
+        layouts = stage_layouts(config.num_hidden_layers, setup.degrees.pp, setup.pipeline.layer_split, tied)
+        stages = tuple(len(layout.layers) for layout in layouts)
+    one_f_one_b = setup.pipeline.schedule is PipelineSchedule.ONE_F_ONE_B
+    return sample_step(stages, shape.accumulation, layers_alike(decoder_layers(model), config), one_f_one_b)
 
 
 def model_sizes(path_or_config: str | Path | PretrainedConfig, options: LoadOptions) -> ModelSizes:

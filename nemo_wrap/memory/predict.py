@@ -3,8 +3,9 @@
 The prediction is a dry run (:mod:`.dry_run`) per rank, each in a fresh process: so it
 works from a notebook or a ``torchrun`` script that already holds a process group, leaves no fake
 process group or fake tensor behind in the caller, and no rank's groups and meshes (which torch
-caches by name) meet another's. A deep model of alike layers is dry-run at two small depths and
-predicted by a line through them (:mod:`.layer_sampling`). Ranks differ (the last one's shards are the smallest
+caches by name) meet another's. A deep model of alike layers is dry-run at two small depths, and a
+1F1B pipeline step of many micro-batches at two small counts, and predicted by lines through them
+(:mod:`.step_sampling`). Ranks differ (the last one's shards are the smallest
 when a dimension does not divide; pipeline stages hold different layers): jobs of up to
 ``SIMULATED_RANKS_LIMIT`` ranks simulate every rank, larger ones the first and the last.
 """
@@ -22,12 +23,13 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from nemo_wrap.distributed.combinations import Feature
+from nemo_wrap.distributed.degrees import ParallelDegrees
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import InvalidSetupError, MemoryPredictionError
 from nemo_wrap.loading.options import LoadOptions
-from nemo_wrap.memory.dry_run import layer_sampling, simulate_rank
-from nemo_wrap.memory.layer_sampling import LayerSampling, highest_phase
+from nemo_wrap.memory.dry_run import simulate_rank, step_sampling
 from nemo_wrap.memory.prediction import MemoryPrediction, RankMemory, StepPhase, TrainingShape
+from nemo_wrap.memory.step_sampling import DryRunSize, StepSampling, highest_phase
 
 SIMULATED_RANKS_LIMIT = 8
 
@@ -63,26 +65,36 @@ def predict_memory(
     ranks = _ranks(setup.world_size) if ranks is None else tuple(ranks)
     if not ranks or any(not 0 <= rank < setup.world_size for rank in ranks):
         raise InvalidSetupError(f"predict_memory: ranks {ranks} are not ranks of a world of {setup.world_size}")
-    sampling = layer_sampling(path_or_config, options, setup)
+    sampling = step_sampling(path_or_config, options, setup, shape)
     # the setup copied without this process's mesh: it pickles
     job = (path_or_config, dataclasses.replace(setup), options, shape)
-    per_rank, traced = _traced_ranks(job, ranks, sampling)
+    per_rank, traced = _traced_ranks(job, ranks, sampling, setup.degrees)
     return MemoryPrediction(shape, per_rank, device_memory, NOT_COUNTED, traced)
 
 
 def _traced_ranks(
-    job: tuple[Any, ...], ranks: Sequence[int], sampling: LayerSampling
+    job: tuple[Any, ...], ranks: Sequence[int], sampling: StepSampling, degrees: ParallelDegrees
 ) -> tuple[tuple[RankMemory, ...], str]:
-    """Each rank's peak by the dry runs ``sampling`` asks for, and how the layers were covered. A
-    rank whose line missed the check depth's peak is traced whole."""
-    traced = _dry_runs([(*job, rank, depth) for rank in ranks for depth in sampling.traced_depths])
-    depths = len(sampling.traced_depths)
-    sampled = [sampling.combine(traced[i : i + depths]) for i in range(0, len(traced), depths)]
+    """Each rank's peak by the dry runs ``sampling`` asks for, and how the step was covered. A
+    rank whose layer line missed the check depth's peak is traced whole."""
+    runs = [(rank, size) for rank in ranks for size in sampling.sizes]
+    traced = dict(zip(runs, _dry_runs([_run(job, rank, size) for rank, size in runs]), strict=True))
+    sampled = [
+        sampling.combine({size: traced[rank, size] for size in sampling.sizes}, degrees.stage_of(rank))
+        for rank in ranks
+    ]
     missed = [rank for rank, memory in zip(ranks, sampled, strict=True) if memory is None]
-    whole = iter(_dry_runs([(*job, rank, sampling.layers) for rank in missed]) if missed else ())
+    whole = iter(_dry_runs([_run(job, rank, sampling.whole) for rank in missed]) if missed else ())
     per_rank = tuple(memory or highest_phase(next(whole)) for memory in sampled)
     how = sampling.describe() + (f"; rank(s) {missed} missed it there, so traced whole" if missed else "")
     return per_rank, how
+
+
+def _run(job: tuple[Any, ...], rank: int, size: DryRunSize) -> tuple[Any, ...]:
+    """:func:`simulate_rank`'s arguments for ``rank``'s dry run of ``size``."""
+    path_or_config, setup, options, shape = job
+    shape = dataclasses.replace(shape, accumulation=size.micro_batches)
+    return path_or_config, setup, options, shape, rank, size.layers
 
 
 def _dry_runs(runs: Sequence[tuple[Any, ...]]) -> list[dict[StepPhase, RankMemory]]:

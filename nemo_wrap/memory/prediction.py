@@ -87,7 +87,7 @@ class MemoryPrediction:
     per_rank: tuple[RankMemory, ...]
     device_memory: int | None = None  # bytes per device, when asked whether it fits
     not_counted: tuple[str, ...] = ()
-    traced: str = ""  # how the dry run covered the layers (:mod:`.layer_sampling`)
+    traced: str = ""  # how the dry runs covered the step (:mod:`.step_sampling`)
 
     @property
     def peak_bytes(self) -> int:

@@ -2,7 +2,7 @@
 steps (the first makes the optimizer's state). The dry run measures its fake step with it, and the
 tests and ``benchmarks/bench_memory.py`` the real step they compare the prediction with. The dry
 run also takes the peak of the forward and backward apart from the optimizer step's: each grows
-with the model's depth at its own rate (:mod:`.layer_sampling`).
+with the model's depth at its own rate (:mod:`.step_sampling`).
 
 Two limits of torch's tracker (2.13) are met here rather than refused: it takes one forward of the
 root module per tracked region (gradient accumulation runs several, and a pipeline schedule runs

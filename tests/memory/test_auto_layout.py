@@ -187,12 +187,15 @@ def test_when_nothing_fits_it_says_what_the_smallest_layout_needs_and_that_one_i
     assert max(measured) > choice.budget, (choice.smallest.describe(), measured)
 
 
-def test_plan_auto_prints_a_fragment_that_finetune_reads(capsys, tmp_path):
-    """The README's and the docs' command, as shown there."""
+def test_plan_auto_prints_a_fragment_that_finetune_reads(capsys, tmp_path, monkeypatch):
+    """The README's and the docs' command, as shown there; its progress (bars on) on stderr."""
     command = "plan --auto --nproc 2 --batch-size 2 --seq-len 32 --device-memory 1GiB --json"
     assert all(f"nemo-wrap {command}" in page.read_text() for page in (README, README.parent / "docs" / "memory.md"))
+    monkeypatch.setenv("NEMO_WRAP_PROGRESS", "1")
     assert main(command.split()) == 0
-    chosen = json.loads(capsys.readouterr().out)["auto"]["chosen"]
+    printed = capsys.readouterr()
+    assert "layouts judged" in printed.err and "dry run of fsdp2" in printed.err
+    chosen = json.loads(printed.out)["auto"]["chosen"]
     distributed, training = chosen["distributed"], chosen["training"]
     held_by_one_replica = distributed["tp_size"] * distributed["cp_size"] * distributed.get("pp_size", 1)
     assert distributed["nproc"] == 2
