@@ -122,7 +122,8 @@ def _dry_run(
     depth: int,
 ) -> tuple[PreTrainedModel, dict[StepPhase, _Peak]]:
     """The model cut to ``depth`` layers, built, sharded and materialized on fake tensors, and its
-    step's peaks. The plan is the full model's: only what is built is cut."""
+    step's peaks. The plan is the full model's: only what is built is cut (its decoder layers and,
+    in a pipeline, each stage's share of them)."""
     pipeline = _cut(dry_run_pipeline(path_or_config, setup, options), depth)  # config and headers: real reads
     # on the meta device, as in a real load; meshes and groups are made of real rank tensors
     model = pipeline.perform(_steps_before_materializing(pipeline.plan.steps))

@@ -5,9 +5,9 @@ works from a notebook or a ``torchrun`` script that already holds a process grou
 process group or fake tensor behind in the caller, and no rank's groups and meshes (which torch
 caches by name) meet another's. A deep model of alike layers is dry-run at two small depths, and a
 1F1B pipeline step of many micro-batches at two small counts, and predicted by lines through them
-(:mod:`.step_sampling`). Ranks differ (the last one's shards are the smallest
-when a dimension does not divide; pipeline stages hold different layers): jobs of up to
-``SIMULATED_RANKS_LIMIT`` ranks simulate every rank, larger ones the first and the last.
+(:mod:`.step_sampling`). Ranks differ (the last one's shards are the smallest when a dimension
+does not divide; pipeline stages hold different layers): jobs of up to ``SIMULATED_RANKS_LIMIT``
+ranks simulate every rank, larger ones the first and the last.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ LayerSignature = tuple[str, tuple[tuple[str, tuple[int, ...], str, bool], ...]]
 ByPhase = Mapping[StepPhase, RankMemory]
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class DryRunSize:
     """What one dry run builds and steps: ``layers`` decoder layers in all (the model's own count:
     the whole model, split over the pipeline stages as it is; fewer: as many in every stage) and
@@ -121,6 +121,7 @@ class StepSampling:
         return DryRunSize(layers, batches), DryRunSize(layers, batches + 1)
 
     def describe(self) -> str:
+        """How the dry runs cover the step, as the plan prints it."""
         stage = " a stage" if len(self.stage_layers) > 1 else ""
         if self.samples_layers:
             low, high = SAMPLED_DEPTHS
