@@ -18,9 +18,13 @@ arrive within :data:`REPEAT_GRACE_S` of the first count as the same request, bec
 every process of the job receives the signal *and* torchrun's agent forwards its own copy to each
 worker, milliseconds apart.
 
-The handler is installed only while the loop runs and the previous one is restored after: importing
-nemo_wrap changes no signal disposition, and a SIGTERM during loading or the final save keeps its
-usual meaning. A rank that cannot run (stopped, or stuck inside one call) does not act on a SIGTERM
+The handler is installed for a whole run — from reading its data to the end of its final save — and
+the previous one is restored after: importing nemo_wrap changes no signal disposition. What a
+request costs depends on when it comes (the table in ``docs/faults.md``): before the first step
+the run stops at the next phase boundary with nothing to save; during a step, its evaluation or
+its periodic save, that unit is finished and one checkpoint written; after the last step the
+closing evaluation and the final save are finished, and the run is complete.
+A rank that cannot run (stopped, or stuck inside one call) does not act on a SIGTERM
 either way — measured here, a SIGSTOPped process outlives one with or without a handler — so
 torchrun kills such a rank with SIGKILL after its stop grace (30 s).
 """

@@ -34,7 +34,7 @@ import torch
 
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.checkpoint.resume import load_checkpoint
-from nemo_wrap.checkpoint.rotation import CheckpointRotation, resolve_resume
+from nemo_wrap.checkpoint.rotation import AUTO, CheckpointRotation, resolve_resume
 from nemo_wrap.data import DataParallelBatches, as_rows, load_rows, prepare_examples, read_token_windows, window_rows
 from nemo_wrap.default_model import bundled_corpus
 from nemo_wrap.distributed.collectives import RankGroup
@@ -45,6 +45,7 @@ from nemo_wrap.errors import InvalidSetupError, PreemptedError
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.loading.provenance import LoadReport
 from nemo_wrap.progress import progress_bar
+from nemo_wrap.recipes.completion import COMPLETION_FILE, clear_completion, completed_steps, record_completion
 from nemo_wrap.recipes.config import (
     CheckpointSection,
     DataSection,
@@ -107,52 +108,110 @@ def run_sft(
 ) -> list[dict[str, float]]:
     """Run the job; return the metrics it logged (the same on every rank).
 
-    Raises :class:`PreemptedError` when a SIGTERM stopped it (a resumable checkpoint is then in
-    place), and :class:`PeerTimeoutError` when another rank stopped answering during a step, its
-    evaluation or its checkpoint.
+    Raises :class:`PreemptedError` when a SIGTERM stopped it (a resumable checkpoint of every
+    finished step is then in place; before the first step there is nothing to save), and
+    :class:`PeerTimeoutError` when another rank stopped answering during a step, its evaluation or
+    its checkpoint. A SIGTERM after the last step lets the final save finish: the run is complete.
     """
+    with stop_requests() as stop:  # from reading the data to the end of the final save
+        return _run(model_path, setup, config, tokenizer, say, stop)
+
+
+def _run(
+    model_path: str | Path,
+    setup: DistributedSetup,
+    config: SFTConfig,
+    tokenizer: Any,
+    say: Callable[[str], None],
+    stop: StopRequest,
+) -> list[dict[str, float]]:
     data, training = config.data, config.training
     train_rows = _training_rows(data, tokenizer, say)
     eval_rows = _data_set_rows(data.eval, data, tokenizer, say) if data.eval else None
-    model = NeMoAutoModelForCausalLM.from_pretrained(model_path, distributed_setup=setup, options=config.load)
-    say(cast(LoadReport, model.load_report).summary())
-    if training.activation_checkpointing:
-        model.activation_checkpointing_enable()
-        say("activation checkpointing: each decoder layer recomputes its activations in the backward")
-    job = _job(model, setup, config, train_rows, eval_rows)
+    batches = DataParallelBatches(
+        train_rows, training.batch_size, training.seed, setup.dp_rank(), setup.dp_size, training.accumulation
+    )
+    total = _total_steps(config, batches)
+    if config.checkpoint.resume == AUTO and completed_steps(config.output_dir) == total:
+        say(f"{config.output_dir}: {COMPLETION_FILE} says this run's {total} steps are done: nothing to train")
+        return []
+    _stop_before_training(stop, "reading the data", None)
+    model = _load_model(model_path, setup, config, say)
+    job = _job(model, setup, config, batches, eval_rows)
     say(
         f"batches: {training.batch_size} rows per rank x {training.accumulation} micro-batch(es) x "
         f"{setup.dp_size} data-parallel rank(s) per step"
     )
-    per_epoch = job.batches.steps_per_epoch
-    total = training.steps or (TEXT_STEPS if is_text_data(data.train) else training.epochs * per_epoch)
     resume = resolve_resume(config.checkpoint.resume, config.output_dir)
     start = load_checkpoint(resume, model, job.optimizer, data=job.batches) if resume else 0
     if resume:
         say(f"resumed from {resume} at step {start}")
-    try:
-        with stop_requests() as stop:  # a SIGTERM: every rank finishes the step, checkpoints and stops
-            stopped = _train(job, range(start, total), config, setup, stop)
-            if stopped is not None:
-                raise _stop_with_checkpoint(job, stopped, total)
-        if job.evaluation is not None and not _evaluated_at(job.log, total):
-            job.log.log(total, eval_loss=job.evaluation())
-        job.checkpoints.close()  # collective: a background save is in place before the model is saved
-    finally:
-        job.log.close()
+    _stop_before_training(stop, "loading the model", resume)
+    clear_completion(config.output_dir)
+    _train_and_evaluate(job, range(start, total), config, setup, stop)
     model.save_pretrained(config.output_dir, tokenizer=tokenizer)
+    record_completion(config.output_dir, total)
     say(f"saved to {config.output_dir}")
+    if stop.agreed():  # arrived after the last step: the final save it let finish is the resumable state
+        say("a SIGTERM arrived after the last step: the final save was finished, and the run is complete")
     return job.log.records
 
 
+def _load_model(model_path: str | Path, setup: DistributedSetup, config: SFTConfig, say: Callable[[str], None]) -> Any:
+    """The model through the audited pipeline (its load report said), recomputing when asked."""
+    model = NeMoAutoModelForCausalLM.from_pretrained(model_path, distributed_setup=setup, options=config.load)
+    say(cast(LoadReport, model.load_report).summary())
+    if config.training.activation_checkpointing:
+        model.activation_checkpointing_enable()
+        say("activation checkpointing: each decoder layer recomputes its activations in the backward")
+    return model
+
+
+def _total_steps(config: SFTConfig, batches: DataParallelBatches) -> int:
+    """The run's number of steps: ``training.steps``, else the text job's default, else its epochs'."""
+    if config.training.steps:
+        return config.training.steps
+    return TEXT_STEPS if is_text_data(config.data.train) else config.training.epochs * batches.steps_per_epoch
+
+
+def _stop_before_training(stop: StopRequest, phase: str, resume: Path | None) -> None:
+    """Before the first step nothing is lost by stopping: if any rank was asked to, every rank
+    raises :class:`PreemptedError` at once (collective: every rank calls it at the same point)."""
+    if not stop.agreed():
+        return
+    kept = f"the checkpoint resumed from, {resume}, is still the newest" if resume else "nothing was trained"
+    raise PreemptedError(
+        f"stopped by SIGTERM before the first step (after {phase}): {kept} and nothing was saved; "
+        f"run the same command with --resume auto to start again",
+        0,
+        str(resume or ""),
+    )
+
+
+def _train_and_evaluate(job: _Job, steps: range, config: SFTConfig, setup: DistributedSetup, stop: StopRequest) -> None:
+    """The steps, then the closing evaluation; every background save in place when it returns."""
+    try:
+        stopped = _train(job, steps, config, setup, stop)
+        if stopped is not None:
+            raise _stop_with_checkpoint(job, stopped, steps.stop, config.checkpoint.save_every)
+        if job.evaluation is not None and not _evaluated_at(job.log, steps.stop):
+            with peers_must_answer("the closing evaluation"):
+                job.log.log(steps.stop, eval_loss=job.evaluation())
+        with peers_must_answer("the last checkpoint's background save"):
+            job.checkpoints.close()  # collective: a background save is in place before the model is saved
+    finally:
+        job.log.close()
+
+
 def _job(
-    model: Any, setup: DistributedSetup, config: SFTConfig, train_rows: list[Batch], eval_rows: list[Batch] | None
+    model: Any,
+    setup: DistributedSetup,
+    config: SFTConfig,
+    batches: DataParallelBatches,
+    eval_rows: list[Batch] | None,
 ) -> _Job:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.optimizer.lr)
     dp_rank, job, training, logging = setup.dp_rank(), RankGroup.job(), config.training, config.logging
-    batches = DataParallelBatches(
-        train_rows, training.batch_size, training.seed, dp_rank, setup.dp_size, training.accumulation
-    )
     log = job.on_every_rank(  # a tracker that fails to start on the writer must not leave the others waiting
         "opening the metrics trackers",
         lambda: MetricsLog(
@@ -269,12 +328,12 @@ def _train(job: _Job, steps: range, config: SFTConfig, setup: DistributedSetup, 
                     eval_loss = job.evaluation()
                 job.log.log(done, eval_loss=eval_loss)
                 bar.set_postfix(loss=f"{result.loss:.4f}", eval=f"{eval_loss:.4f}")
-            with peers_must_answer(f"the stop-request all-reduce after step {done}"):
-                if stop.agreed():
-                    return done  # before the periodic save: the stop writes this step's checkpoint
-            if config.checkpoint.save_every and done % config.checkpoint.save_every == 0:
+            if _saves_at(done, config.checkpoint.save_every):
                 with peers_must_answer(f"the checkpoint of step {done}"):
                     job.checkpoints.save(job.model, job.optimizer, done, data=job.batches)
+            with peers_must_answer(f"the stop-request all-reduce after step {done}"):
+                if stop.agreed():  # asked during the step, its evaluation or its save
+                    return done
             bar.update(1)
     return None
 
@@ -285,11 +344,20 @@ def _evaluated_at(log: MetricsLog, step: int) -> bool:
     return any(record["step"] == step and "eval_loss" in record for record in log.records)
 
 
-def _stop_with_checkpoint(job: _Job, step: int, total: int) -> PreemptedError:
-    """Write the checkpoint of a run stopped on request after ``step`` (on every rank, together) and
-    wait until it is in place, a background save included; return the error that reports it."""
+def _saves_at(step: int, save_every: int | None) -> bool:
+    """Whether the run writes a periodic checkpoint after ``step``."""
+    return save_every is not None and save_every > 0 and step % save_every == 0
+
+
+def _stop_with_checkpoint(job: _Job, step: int, total: int, save_every: int | None) -> PreemptedError:
+    """Write the checkpoint of a run stopped on request after ``step`` (on every rank, together;
+    unless its periodic save just wrote it) and wait until it is in place, a background save
+    included; return the error that reports it."""
     with peers_must_answer(f"the checkpoint of step {step}, written to stop"):
-        target = job.checkpoints.save(job.model, job.optimizer, step, data=job.batches)
+        if _saves_at(step, save_every):
+            target = job.checkpoints.output_dir / f"checkpoint-{step}"
+        else:
+            target = job.checkpoints.save(job.model, job.optimizer, step, data=job.batches)
         job.checkpoints.close()
     return PreemptedError(
         f"stopped by SIGTERM after step {step} of {total}, every rank at the same step; resumable checkpoint "

@@ -69,6 +69,33 @@ def install():
         return result
 
     sft.train_step = step
+    if os.environ.get("FAULT_PHASE") and first_attempt:  # "rank:phase:SIGNAME"
+        target, phase, name = os.environ["FAULT_PHASE"].split(":")
+        if target == str(rank):
+            signal_during(phase, getattr(signal, name))
+
+
+def signal_during(phase, signum):
+    """Send ``signum`` to this rank once, as ``phase`` starts: the model's load, an evaluation, a
+    periodic checkpoint, or the final save (right after the closing evaluation)."""
+    from nemo_wrap.checkpoint.rotation import CheckpointRotation
+    from nemo_wrap.recipes import sft
+
+    owner, name = {"load": (sft, "_load_model"), "eval": (sft, "evaluate"), "save": (CheckpointRotation, "save"),
+                   "final": (sft, "_train_and_evaluate")}[phase]  # fmt: skip
+    real, sent = getattr(owner, name), []
+
+    def hit(*args, **kwargs):
+        if phase != "final" and not sent:
+            sent.append(os.kill(os.getpid(), signum))
+            say(f"SIGNALLED {phase}")
+        result = real(*args, **kwargs)
+        if phase == "final":
+            os.kill(os.getpid(), signum)
+            say(f"SIGNALLED {phase}")
+        return result
+
+    setattr(owner, name, hit)
 
 
 if __name__ == "__main__":
@@ -286,6 +313,75 @@ def test_sigterm_to_one_rank_stops_every_rank_after_one_step_with_a_checkpoint_t
     assert not (output / "model.safetensors").exists()  # the run did not finish
 
     _run(_torchrun(hook, output, "--resume", "auto", script=False), tmp_path)
+    _assert_same_losses(output, uninterrupted)
+
+
+EVAL_EVERY = 4
+
+
+@pytest.fixture(scope="module")
+def eval_data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("eval") / "eval.jsonl"
+    path.write_text("".join(json.dumps({"text": f"held-out line {i}: the quick brown fox"}) + "\n" for i in range(4)))
+    return path
+
+
+def _interrupted(hook: Path, output: Path, cwd: Path, fault: str, *extra: str) -> tuple[int, Job]:
+    """A 2-rank run of ``JOB`` whose rank signals itself as ``FAULT_PHASE`` says; its status and output."""
+    job = Job(_torchrun(hook, output, *extra), cwd, FAULT_PHASE=fault)
+    try:
+        status = job.finish()
+    finally:
+        if job.process.poll() is None:
+            job.kill_everything()
+    job.assert_nothing_left()
+    assert "SIGNALLED" in job.text(), job.text()[-4000:]
+    return status, job
+
+
+def _each_step_trained_once(output: Path) -> None:
+    records = [json.loads(line) for line in (output / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize(("phase", "stopped"), [("eval", EVAL_EVERY), ("save", 3)])
+def test_sigterm_during_an_evaluation_or_a_save_finishes_it_and_keeps_every_finished_step(
+    phase, stopped, uninterrupted, hook, eval_data, tmp_path
+):
+    output, extra = tmp_path / "out", ["--eval-data", str(eval_data), "--eval-every", str(EVAL_EVERY)]
+    status, job = _interrupted(hook, output, tmp_path, f"1:{phase}:SIGTERM", *extra)
+    assert status != 0  # torchrun reports the ranks' status 75 as a failure
+    assert f"EXIT 0 {PREEMPTED_EXIT_STATUS}" in job.text() and f"EXIT 1 {PREEMPTED_EXIT_STATUS}" in job.text()
+    assert job.last_steps() == {0: stopped, 1: stopped}  # no step after the one whose phase was signalled
+    assert _latest_step(output) == stopped
+
+    _run(_torchrun(hook, output, *extra, "--resume", "auto", script=False), tmp_path)
+    _each_step_trained_once(output)
+    _assert_same_losses(output, uninterrupted)
+
+
+def test_sigterm_while_loading_stops_every_rank_before_the_first_step_with_nothing_saved(cache, hook, tmp_path):
+    output = tmp_path / "out"
+    status, job = _interrupted(hook, output, tmp_path, "1:load:SIGTERM")
+    assert status != 0
+    assert f"EXIT 0 {PREEMPTED_EXIT_STATUS}" in job.text() and f"EXIT 1 {PREEMPTED_EXIT_STATUS}" in job.text()
+    assert job.last_steps() == {}
+    assert "stopped by SIGTERM before the first step (after loading the model)" in job.text()
+    assert not list(output.glob("checkpoint-*")) and not (output / "model.safetensors").exists()
+
+
+def test_sigterm_after_the_last_step_finishes_the_final_save_and_a_rerun_trains_nothing(uninterrupted, hook, tmp_path):
+    output = tmp_path / "out"
+    status, job = _interrupted(hook, output, tmp_path, "1:final:SIGTERM")
+    assert status == 0, job.text()[-4000:]
+    assert "EXIT 0 0" in job.text() and "EXIT 1 0" in job.text()
+    assert "a SIGTERM arrived after the last step" in job.text()
+    final = (output / "model.safetensors").read_bytes()
+
+    rerun = _run(_torchrun(hook, output, "--resume", "auto"), tmp_path)
+    assert rerun.last_steps() == {} and f"this run's {STEPS} steps are done: nothing to train" in rerun.text()
+    assert (output / "model.safetensors").read_bytes() == final
+    _each_step_trained_once(output)
     _assert_same_losses(output, uninterrupted)
 
 
