@@ -4,11 +4,20 @@
 TensorBoard, Weights & Biases and MLflow are added with transformers' ``report_to`` names (see
 :mod:`nemo_wrap.recipes.trackers`). Only the writer rank writes; every rank keeps ``records``, so
 the loop calls ``log`` on every rank and each returns the same history.
+
+A tracker that fails once it is open (a full disk under its directory, a lost MLflow server, a
+crashed ``wandb-core``) is dropped: closed as well as it can be, with one warning naming it and the
+error, and the run goes on. Raising would stop the writer rank alone, and the other ranks would
+wait for it at their next collective until the timeout; the metrics are not lost either, since
+``metrics.jsonl`` keeps every step. Failing to *open* a tracker stays fatal, on every rank together
+(the caller opens the log through :meth:`RankGroup.on_every_rank`): that is a setup error to fix
+before training, not a fault of a running job.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +25,8 @@ from typing import Any
 from nemo_wrap.recipes.trackers import REPORT_TO_NAMES, Tracker, open_tracker, parse_report_to, require_packages
 
 __all__ = ["REPORT_TO_NAMES", "MetricsLog", "parse_report_to"]
+
+logger = logging.getLogger("nemo_wrap")
 
 
 class MetricsLog:
@@ -38,7 +49,7 @@ class MetricsLog:
     ) -> None:
         names = parse_report_to(report_to)
         self.records: list[dict[str, Any]] = []
-        self._trackers: list[Tracker] = []
+        self._trackers: dict[str, Tracker] = {}
         self.enabled = directory is not None and is_writer
         if directory is not None:
             require_packages(names)
@@ -50,7 +61,7 @@ class MetricsLog:
         config = _plain(run_config or {})
         try:
             for name in names:
-                self._trackers.append(open_tracker(name, self.directory, config, mlflow_tracking_uri, run_name))
+                self._trackers[name] = open_tracker(name, self.directory, config, mlflow_tracking_uri, run_name)
         except BaseException:
             self.close()
             raise
@@ -63,24 +74,41 @@ class MetricsLog:
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if values:
-            for tracker in self._trackers:
-                tracker.log(step, values)
+            for name, tracker in list(self._trackers.items()):
+                try:
+                    tracker.log(step, values)
+                except Exception as error:  # a tracker's fault must not stop the writer rank alone
+                    del self._trackers[name]
+                    _close_quietly(name, tracker, f"failed at step {step} ({type(error).__name__}: {error})")
 
     def close(self) -> None:
-        """Close the file and end every tracker's run (each even if another fails); safe to call twice."""
+        """Close the file and end every tracker's run; a tracker that fails to close is reported
+        with a warning, not raised (the other ranks would wait for this one). Safe to call twice."""
         if not self.enabled:
             return
         self.enabled = False
-        trackers, self._trackers = self._trackers, []
-        errors: list[Exception] = []
-        for tracker in trackers:
+        trackers, self._trackers = self._trackers, {}
+        for name, tracker in trackers.items():
             try:
                 tracker.close()
-            except Exception as error:  # the other runs still end, then the first failure is raised
-                errors.append(error)
+            except Exception as error:
+                logger.warning("tracker %s: failed to close (%s: %s)", name, type(error).__name__, error)
         self._jsonl.close()
-        if errors:
-            raise errors[0]
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The trackers still receiving the metrics (one that failed is dropped)."""
+        return tuple(self._trackers)
+
+
+def _close_quietly(name: str, tracker: Tracker, what: str) -> None:
+    """Close a tracker that failed, saying once what happened; an error closing it is only added."""
+    try:
+        tracker.close()
+        closed = "closed"
+    except Exception as error:
+        closed = f"closing it failed too ({type(error).__name__}: {error})"
+    logger.warning("tracker %s %s: %s; the run goes on, metrics.jsonl keeps every step", name, what, closed)
 
 
 def _plain(config: Mapping[str, Any]) -> dict[str, Any]:

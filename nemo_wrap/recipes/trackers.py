@@ -117,12 +117,13 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """A W&B run under ``directory/wandb`` (offline unless ``WANDB_MODE`` is set), the config as its config."""
+    """A W&B run under ``directory/wandb`` (or ``WANDB_DIR/wandb`` when set), offline unless
+    ``WANDB_MODE`` is set; the config as its config."""
 
     def __init__(self, directory: Path, run_config: Mapping[str, Any], run_name: str | None) -> None:
         self._wandb = _import("wandb", "wandb")
         self._run = self._wandb.init(
-            dir=str(directory),
+            dir=None if os.environ.get("WANDB_DIR") else str(directory),  # W&B's own variable wins
             project=os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
             name=run_name,
             config=dict(run_config),

@@ -105,8 +105,8 @@ def test_qlora_finetunes_the_default_and_saves_an_adapter(cache, tmp_path, capsy
     first, last = _losses(out)
     assert last < first
     assert sorted(p.name for p in output.iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors", "config.yaml", "logs"
-    ]  # the adapter, the resolved recipe and the metrics
+        "adapter_config.json", "adapter_model.safetensors", "config.yaml", "logs", "training_complete.json"
+    ]  # the adapter, the resolved recipe, the metrics and the record that the run finished
     assert main(["plan", "--quantization", "fp4", "--nproc", "2"]) == 0
     assert "bitsandbytes 4-bit FP4" in capsys.readouterr().out
     with pytest.raises(SystemExit) as refused:

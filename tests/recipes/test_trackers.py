@@ -252,3 +252,39 @@ def test_a_finetune_run_reports_every_step_to_every_tracker(tmp_path: Path, monk
     metrics, params = _mlflow_run(logs / "mlruns", name="job")
     assert metrics["loss"] == losses and params["training.steps"] == "3"
     assert {"lr", "tokens_per_s", "grad_norm", "peak_memory_mib"} <= set(metrics)
+
+
+@pytest.mark.usefixtures("tracker_env")
+def test_a_tracker_failing_mid_run_is_closed_with_one_warning_and_the_run_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MLflow's store vanishes after step 2 (as a lost server would): the run keeps logging to
+    TensorBoard and metrics.jsonl, MLflow is dropped with one warning naming it and its error."""
+    import shutil
+
+    log = MetricsLog(tmp_path, is_writer=True, report_to=["tensorboard", "mlflow"], run_name="lost")
+    log.log(1, loss=2.0)
+    log.log(2, loss=1.5)
+    shutil.rmtree(tmp_path / "mlruns")
+    with caplog.at_level("WARNING", logger="nemo_wrap"):
+        for step in range(3, 6):
+            log.log(step, loss=1.0 / step)
+        log.close()
+    assert log.trackers == ()  # closed
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith("tracker mlflow failed at step 3 (") and "metrics.jsonl keeps every step" in warning
+    assert sorted(_jsonl(tmp_path)["loss"]) == [1, 2, 3, 4, 5]
+    assert sorted(_tensorboard_series(tmp_path)["loss"]) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.usefixtures("tracker_env")
+def test_wandb_dir_is_honoured_when_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    elsewhere = tmp_path / "wandb_home"
+    elsewhere.mkdir()
+    monkeypatch.setenv("WANDB_DIR", str(elsewhere))
+    log = MetricsLog(tmp_path / "logs", is_writer=True, report_to=["wandb"], run_name="elsewhere")
+    _train(log)
+    log.close()
+    history, _, run = _wandb_run(elsewhere)
+    assert run.display_name == "elsewhere" and sorted(history) == [1, 2, 3, 4, 5]
+    assert not (tmp_path / "logs" / "wandb").exists()
