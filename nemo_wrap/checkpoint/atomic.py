@@ -20,6 +20,7 @@ directory are fsynced, and only then is it put in place:
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Callable, Iterator
@@ -35,6 +36,9 @@ from nemo_wrap.errors import CheckpointSaveError
 # Files of a previous save that a new one supersedes (weights, their index, DCP's shards, its index
 # and the manifest of them).
 _WEIGHT_FILES = ("model*.safetensors", "model.safetensors.index.json", "*.distcp", METADATA, MANIFEST)
+# The hidden siblings this module (and pruning) makes: ``.{name}.tmp-<hex>`` being written,
+# ``.{name}.old-<hex>`` renamed aside to be deleted (:mod:`.leftovers` resolves those a crash left).
+STAGING_NAME = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]{12}")
 
 
 def stage_directory(target: Path) -> Path:

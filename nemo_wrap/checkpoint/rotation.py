@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from nemo_wrap.checkpoint.atomic import save_failed, write_text_atomically
+from nemo_wrap.checkpoint.atomic import STAGING_NAME, save_failed, write_text_atomically
 from nemo_wrap.checkpoint.resume import (
     PendingSave,
     checkpoint_process_group,
@@ -46,15 +46,13 @@ from nemo_wrap.errors import CheckpointNotFoundError, InvalidSetupError
 LATEST = "latest"  # the pointer file in the output directory: the newest checkpoint's folder name
 AUTO = "auto"  # resume="auto": from the newest complete checkpoint, or from scratch if there is none
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
-# Hidden siblings of a directory being replaced or deleted (:mod:`.atomic`, :func:`_delete`).
-_STAGING = re.compile(r"\..+\.(tmp|old)-[0-9a-f]{12}")
 
 
 def _incomplete(path: Path) -> str | None:
     """Why ``path`` is not a complete checkpoint, or ``None`` when it is one."""
     if not path.is_dir():
         return "no such directory"
-    if _STAGING.fullmatch(path.name):
+    if STAGING_NAME.fullmatch(path.name):
         return "a save's staging directory, not a finished checkpoint"
     if not holds_checkpoint(path):
         return "no resumable checkpoint in it (DCP's .metadata is missing)"

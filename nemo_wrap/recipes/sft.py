@@ -33,6 +33,7 @@ from typing import Any, cast
 import torch
 
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
+from nemo_wrap.checkpoint.leftovers import resolve_leftovers
 from nemo_wrap.checkpoint.resume import load_checkpoint
 from nemo_wrap.checkpoint.rotation import AUTO, CheckpointRotation, resolve_resume
 from nemo_wrap.data import DataParallelBatches, as_rows, load_rows, prepare_examples, read_token_windows, window_rows
@@ -132,6 +133,8 @@ def _run(
         train_rows, training.batch_size, training.seed, setup.dp_rank(), setup.dp_size, training.accumulation
     )
     total = _total_steps(config, batches)
+    for leftover in resolve_leftovers(config.output_dir):  # before any checkpoint is looked for
+        say(f"leftovers of a killed save: {leftover.describe()}")
     if config.checkpoint.resume == AUTO and completed_steps(config.output_dir) == total:
         say(f"{config.output_dir}: {COMPLETION_FILE} says this run's {total} steps are done: nothing to train")
         return []

@@ -210,7 +210,7 @@ def _step_losses(log_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "loss" in r}  # a resumed run's steps overwrite
 
 
-def test_a_run_killed_during_a_save_resumes_from_the_newest_complete_checkpoint(cache, tmp_path):
+def test_a_run_killed_during_a_save_resumes_from_the_newest_complete_checkpoint(cache, tmp_path, capsys):
     import signal
     import subprocess
     import sys
@@ -232,7 +232,10 @@ def test_a_run_killed_during_a_save_resumes_from_the_newest_complete_checkpoint(
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=60)
     assert sorted(p.name for p in output.glob("checkpoint-*")) == ["checkpoint-2"]  # step 4 staged, never moved in
+    (staged,) = output.glob(".checkpoint-4.tmp-*")
     assert main([*job, "--output-dir", str(output), "--resume", "auto"]) == 0
+    assert f"leftovers of a killed save: removed {staged}: the staging of a save that was killed" in capsys.readouterr().out
+    assert not list(output.glob(".checkpoint-*"))
     resumed = _step_losses(output / "logs")
     assert resumed.keys() == whole.keys()
     for step in range(3, 7):
