@@ -164,7 +164,13 @@ class InvalidShardSizeError(NeMoWrapError, ValueError):
     """``max_shard_size`` is neither a positive number of bytes nor a size such as ``"5GB"``."""
 
 
-class TrainingDataError(NeMoWrapError, ValueError):
+class DataError(NeMoWrapError, ValueError):
+    """Training or evaluation data cannot be used; the message names the file (or data set) and,
+    where one is at fault, the line or row. Every rank reads the data before its first collective,
+    so every rank raises it (the command line exits with status 2), and none waits for the others."""
+
+
+class TrainingDataError(DataError):
     """A training text file is missing, not UTF-8 text, or too short to fill one batch on every rank."""
 
 
@@ -186,14 +192,15 @@ class AdapterMismatchError(NeMoWrapError, ValueError):
     tensors that adapt nothing."""
 
 
-class ChatTemplateError(NeMoWrapError, ValueError):
+class ChatTemplateError(DataError):
     """A tokenizer has no chat template, or one whose rendering of a conversation's prefix is not a
     prefix of the whole, so assistant turns cannot be located (and would be mislabelled)."""
 
 
-class ChatDataError(NeMoWrapError, ValueError):
-    """A row of a fine-tuning data set is malformed: unknown format, missing column, wrong roles, an
-    empty assistant turn. The message names the file (or data set) and the row."""
+class ChatDataError(DataError):
+    """A row of a fine-tuning data set is malformed: not JSON, too long a line, unknown format,
+    missing column, wrong roles, an empty assistant turn. The message names the file (or data set)
+    and the line (JSON Lines) or row."""
 
 
 class LaunchError(NeMoWrapError, RuntimeError):

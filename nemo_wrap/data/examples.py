@@ -9,7 +9,7 @@ from typing import Any
 from nemo_wrap.data.labels import IGNORE_INDEX, LabelledExample, label_conversation, label_prompt_completion, label_text
 from nemo_wrap.data.packing import pack_examples
 from nemo_wrap.data.rows import Rows
-from nemo_wrap.errors import ChatDataError
+from nemo_wrap.errors import ChatDataError, ChatTemplateError
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,11 @@ def prepare_examples(
     if overflow not in ("truncate", "drop"):
         raise ChatDataError(f"overflow must be 'truncate' or 'drop', got {overflow!r}")
     examples, truncated, dropped = [], 0, 0
-    for row in rows.rows:
-        example = _label(rows.format, row, tokenizer, last_turn_only)
+    for index, row in enumerate(rows.rows):
+        try:
+            example = _label(rows.format, row, tokenizer, last_turn_only)
+        except ChatTemplateError as error:  # named where it is, as a bad row is
+            raise ChatTemplateError(f"{rows.source}: {rows.location(index)}: {error}") from error
         if len(example) > max_length:
             if overflow == "drop":
                 dropped += 1

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_wrap.data.jsonl import read_jsonl
 from nemo_wrap.errors import ChatDataError
 
 FORMATS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
@@ -29,6 +30,11 @@ class Rows:
     format: str
     rows: list[dict[str, Any]]
     skipped: dict[int, str] = field(default_factory=dict)  # row index → why
+    locations: list[str] = field(default_factory=list)  # where each kept row is: "line 7" (JSON Lines), "row 6"
+
+    def location(self, index: int) -> str:
+        """Where kept row ``index`` came from, for an error message about it."""
+        return self.locations[index] if index < len(self.locations) else f"row {index}"
 
 
 def load_rows(
@@ -42,27 +48,38 @@ def load_rows(
 
     ``columns`` maps our column names to the data's (``{"prompt": "question"}``).
     """
-    table = _load_table(source, split)
+    table, locations = _load_table(source, split)
     columns = dict(columns or {})
     chosen = _choose_format(str(source), format, table.column_names, columns)
     wanted = {ours: columns.get(ours, ours) for ours in FORMATS[chosen]}
     result = Rows(str(source), chosen, [])
-    for index, raw in enumerate(table):
-        row = {ours: raw[theirs] for ours, theirs in wanted.items()}
+    for index, (raw, location) in enumerate(zip(table, locations, strict=True)):
+        row = {ours: raw.get(theirs) for ours, theirs in wanted.items()}
         problem = _problem(chosen, row)
         if problem is None:
             result.rows.append(row)
+            result.locations.append(location)
         elif skip_bad_rows:
             result.skipped[index] = problem
         else:
-            raise ChatDataError(f"{source}: row {index}: {problem} (pass skip_bad_rows=True to skip such rows)")
+            raise ChatDataError(f"{source}: {location}: {problem} (pass skip_bad_rows=True to skip such rows)")
     return result
 
 
-def _load_table(source: str | Path, split: str) -> Any:
+def _load_table(source: str | Path, split: str) -> tuple[Any, list[str]]:
+    """The rows of ``source`` (with ``column_names``) and where each is, for error messages: a JSON
+    Lines file by line (:mod:`.jsonl`), anything else by row."""
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix.lower() == ".jsonl":
+        lines = read_jsonl(path)
+        return lines, [f"line {number}" for number in lines.lines]
+    table = _load_with_datasets(source, path, split)
+    return table, [f"row {index}" for index in range(len(table))]
+
+
+def _load_with_datasets(source: str | Path, path: Path, split: str) -> Any:
     import datasets
 
-    path = Path(source).expanduser()
     try:
         if path.is_file():
             builder = _BUILDERS.get(path.suffix.lower())

@@ -68,7 +68,7 @@ def test_rows_are_loaded_in_each_format_and_bad_rows_named(tmp_path):
     bad = [{"messages": CONVERSATION}, {"messages": [{"role": "robot", "content": "x"}]},
            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}]
     path = _write_jsonl(tmp_path / "bad.jsonl", bad)
-    with pytest.raises(ChatDataError, match=r"bad.jsonl: row 1: turn 0 has role 'robot'"):
+    with pytest.raises(ChatDataError, match=r"bad.jsonl: line 2: turn 0 has role 'robot'"):
         load_rows(path)
     skipped = load_rows(path, skip_bad_rows=True)
     assert len(skipped.rows) == 1 and sorted(skipped.skipped) == [1, 2] and "empty assistant" in skipped.skipped[2]
