@@ -243,6 +243,12 @@ class PeerTimeoutError(NeMoWrapError, RuntimeError):
     rank and the timeout, with the backend's own message appended."""
 
 
+class PeerLostError(NeMoWrapError, RuntimeError):
+    """A collective failed because another rank vanished (its process died: killed, crashed, out of
+    memory). Raised on every surviving rank; the message names the rank that is gone, what was
+    being done (loading, step N, an evaluation, a save) and this rank."""
+
+
 class PreemptedError(NeMoWrapError, RuntimeError):
     """The run stopped on request (SIGTERM) after a step every rank agreed on, and wrote a resumable
     checkpoint there; ``step`` and ``checkpoint`` say which. Not a failure: rerun with

@@ -16,7 +16,9 @@ reports it as a plain ``RuntimeError`` — the class it also uses for a peer who
 are not matched. :func:`peers_must_answer` uses what defines a timeout instead: the failing block
 waited at least the timeout. Such an error becomes :class:`PeerTimeoutError`, naming what was
 waiting, this rank and the timeout, with the backend's message appended; any other error passes
-through unchanged.
+through unchanged — unless another rank has vanished: a rank that dies makes gloo fail the
+others' collective at once, and :mod:`.liveness` (every rank's heartbeat in the job's store) tells
+which rank stopped beating; that error becomes :class:`PeerLostError` naming it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nemo_wrap.errors import DistributedStateError, NeMoWrapError, PeerTimeoutError
+from nemo_wrap.distributed.liveness import Heartbeat, StoreGoneError
+from nemo_wrap.errors import DistributedStateError, NeMoWrapError, PeerLostError, PeerTimeoutError
 
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _SUPPORTED_BACKENDS = ("gloo", "nccl")
@@ -40,6 +43,8 @@ _SUPPORTED_BACKENDS = ("gloo", "nccl")
 _single_process_store: dist.TCPStore | None = None
 # The collective timeout of the group initialize_distributed created (None: none, or made elsewhere).
 _timeout_s: float | None = None
+# This rank's heartbeat in a job launched by torchrun (None: no peers to lose, or a group made elsewhere).
+_heartbeat: Heartbeat | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,10 @@ def initialize_distributed(backend: str | None = None, timeout_s: float = 1800.0
         dist.init_process_group(backend, store=_single_process_store, rank=0, world_size=1, timeout=timeout)
     _timeout_s = timeout_s
     env = _describe_current_group()
+    if _launched_by_torchrun() and env.world_size > 1:
+        global _heartbeat
+        _heartbeat = Heartbeat(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.rank, env.world_size)
+        _heartbeat.start()
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     return env
@@ -138,11 +147,14 @@ def _attempt_store(timeout: timedelta) -> dist.Store | None:
 
 def destroy_distributed() -> None:
     """Tear down the default process group (no-op when there is none), so a kernel can start over."""
-    global _single_process_store, _timeout_s
+    global _single_process_store, _timeout_s, _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
     _single_process_store = None
     _timeout_s = None
+    _heartbeat = None
 
 
 @contextmanager
@@ -160,15 +172,43 @@ def peers_must_answer(what: str) -> Iterator[None]:
         yield
     except RuntimeError as error:  # gloo's class for a timeout (torch.distributed.DistBackendError derives from it)
         waited = time.monotonic() - started
-        if _timeout_s is None or isinstance(error, NeMoWrapError) or waited < _timeout_s:
+        if _timeout_s is None or isinstance(error, NeMoWrapError):
             raise
-        raise PeerTimeoutError(_peer_timeout_message(what, waited, error)) from error
+        if waited >= _timeout_s:
+            raise PeerTimeoutError(_peer_timeout_message(what, waited, error)) from error
+        lost = _lost_peers()
+        if lost:
+            raise PeerLostError(f"{_this_rank()}: {what}: {lost}, and the job stops. {_first_line(error)}") from error
+        raise
+
+
+def _lost_peers() -> str | None:
+    """Which other rank vanished, in words (``None``: every rank still beats, or no heartbeat)."""
+    if _heartbeat is None:
+        return None
+    try:
+        silent = _heartbeat.silent_ranks()
+    except StoreGoneError as gone:
+        return f"{gone}: the node hosting it is gone"
+    if not silent:
+        return None
+    ranks = ", ".join(str(rank) for rank in silent)
+    return f"rank {ranks} {'is' if len(silent) == 1 else 'are'} gone (killed, crashed or out of memory: see its log)"
+
+
+def _this_rank() -> str:
+    return f"rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else "this process"
+
+
+def _first_line(error: Exception) -> str:
+    """The backend's error in one line (the command line prints the whole error on one line)."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _peer_timeout_message(what: str, waited: float, error: Exception) -> str:
-    where = f"rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else "this process"
     return (
-        f"{where}: {what}: no answer from another rank within the timeout of {_timeout_s:g} s (--timeout; "
+        f"{_this_rank()}: {what}: no answer from another rank within the timeout of {_timeout_s:g} s (--timeout; "
         f"waited {waited:.1f} s): that rank is hung, stopped or cut off, and the job stops. "
         f"{type(error).__name__}: {error}"
     )

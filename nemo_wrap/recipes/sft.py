@@ -133,31 +133,50 @@ def _run(
         train_rows, training.batch_size, training.seed, setup.dp_rank(), setup.dp_size, training.accumulation
     )
     total = _total_steps(config, batches)
-    for leftover in resolve_leftovers(config.output_dir):  # before any checkpoint is looked for
-        say(f"leftovers of a killed save: {leftover.describe()}")
-    if config.checkpoint.resume == AUTO and completed_steps(config.output_dir) == total:
-        say(f"{config.output_dir}: {COMPLETION_FILE} says this run's {total} steps are done: nothing to train")
-        return []
-    _stop_before_training(stop, "reading the data", None)
-    model = _load_model(model_path, setup, config, say)
-    job = _job(model, setup, config, batches, eval_rows)
-    say(
-        f"batches: {training.batch_size} rows per rank x {training.accumulation} micro-batch(es) x "
-        f"{setup.dp_size} data-parallel rank(s) per step"
-    )
-    resume = resolve_resume(config.checkpoint.resume, config.output_dir)
-    start = load_checkpoint(resume, model, job.optimizer, data=job.batches) if resume else 0
-    if resume:
-        say(f"resumed from {resume} at step {start}")
-    _stop_before_training(stop, "loading the model", resume)
-    clear_completion(config.output_dir)
+    with peers_must_answer("preparing the run"):
+        if _already_complete(config, total, say):
+            return []
+        _stop_before_training(stop, "reading the data", None)
+    with peers_must_answer("loading the model"):
+        model = _load_model(model_path, setup, config, say)
+        job = _job(model, setup, config, batches, eval_rows)
+        say(
+            f"batches: {training.batch_size} rows per rank x {training.accumulation} micro-batch(es) x "
+            f"{setup.dp_size} data-parallel rank(s) per step"
+        )
+        start, resume = _resume(job, config, say)
+        _stop_before_training(stop, "loading the model", resume)
+        clear_completion(config.output_dir)
     _train_and_evaluate(job, range(start, total), config, setup, stop)
-    model.save_pretrained(config.output_dir, tokenizer=tokenizer)
-    record_completion(config.output_dir, total)
+    with peers_must_answer("the final save"):
+        model.save_pretrained(config.output_dir, tokenizer=tokenizer)
+        record_completion(config.output_dir, total)
+        stopped_during_save = stop.agreed()
     say(f"saved to {config.output_dir}")
-    if stop.agreed():  # arrived after the last step: the final save it let finish is the resumable state
+    if stopped_during_save:  # after the last step: the final save it let finish is the resumable state
         say("a SIGTERM arrived after the last step: the final save was finished, and the run is complete")
     return job.log.records
+
+
+def _already_complete(config: SFTConfig, total: int, say: Callable[[str], None]) -> bool:
+    """Resolve what killed saves left in the output directory; then whether ``--resume auto`` finds
+    this run already finished there (its completion record names ``total`` steps)."""
+    for leftover in resolve_leftovers(config.output_dir):  # before any checkpoint is looked for
+        say(f"leftovers of a killed save: {leftover.describe()}")
+    if config.checkpoint.resume != AUTO or completed_steps(config.output_dir) != total:
+        return False
+    say(f"{config.output_dir}: {COMPLETION_FILE} says this run's {total} steps are done: nothing to train")
+    return True
+
+
+def _resume(job: _Job, config: SFTConfig, say: Callable[[str], None]) -> tuple[int, Path | None]:
+    """The step to start from and the checkpoint it comes from (``0, None``: from the start)."""
+    resume = resolve_resume(config.checkpoint.resume, config.output_dir)
+    if resume is None:
+        return 0, None
+    start = load_checkpoint(resume, job.model, job.optimizer, data=job.batches)
+    say(f"resumed from {resume} at step {start}")
+    return start, resume
 
 
 def _load_model(model_path: str | Path, setup: DistributedSetup, config: SFTConfig, say: Callable[[str], None]) -> Any:

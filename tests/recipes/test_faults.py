@@ -76,23 +76,23 @@ def install():
 
 
 def signal_during(phase, signum):
-    """Send ``signum`` to this rank once, as ``phase`` starts: the model's load, an evaluation, a
-    periodic checkpoint, or the final save (right after the closing evaluation)."""
+    """Send ``signum`` to this rank once, as ``phase`` starts: the model's load, a step, an
+    evaluation, a periodic checkpoint, or the final save (right after the closing evaluation)."""
     from nemo_wrap.checkpoint.rotation import CheckpointRotation
     from nemo_wrap.recipes import sft
 
-    owner, name = {"load": (sft, "_load_model"), "eval": (sft, "evaluate"), "save": (CheckpointRotation, "save"),
-                   "final": (sft, "_train_and_evaluate")}[phase]  # fmt: skip
+    owner, name = {"load": (sft, "_load_model"), "step": (sft, "train_step"), "eval": (sft, "evaluate"),
+                   "save": (CheckpointRotation, "save"), "final": (sft, "_train_and_evaluate")}[phase]  # fmt: skip
     real, sent = getattr(owner, name), []
 
     def hit(*args, **kwargs):
         if phase != "final" and not sent:
+            say(f"SIGNALLED {phase}")  # first: a SIGKILL ends the rank at once
             sent.append(os.kill(os.getpid(), signum))
-            say(f"SIGNALLED {phase}")
         result = real(*args, **kwargs)
         if phase == "final":
-            os.kill(os.getpid(), signum)
             say(f"SIGNALLED {phase}")
+            os.kill(os.getpid(), signum)
         return result
 
     setattr(owner, name, hit)
@@ -383,6 +383,19 @@ def test_sigterm_after_the_last_step_finishes_the_final_save_and_a_rerun_trains_
     assert (output / "model.safetensors").read_bytes() == final
     _each_step_trained_once(output)
     _assert_same_losses(output, uninterrupted)
+
+
+@pytest.mark.parametrize(
+    ("phase", "doing"),
+    [("load", "loading the model"), ("step", "training step 1"), ("eval", f"the evaluation after step {EVAL_EVERY}"),
+     ("save", "the checkpoint of step 3"), ("final", "the final save")],
+)  # fmt: skip
+def test_a_dead_peer_is_named_by_every_survivor_with_what_it_was_doing(phase, doing, cache, hook, eval_data, tmp_path):
+    extra = ["--eval-data", str(eval_data), "--eval-every", str(EVAL_EVERY)]
+    status, job = _interrupted(hook, tmp_path / "out", tmp_path, f"1:{phase}:SIGKILL", *extra)
+    assert status != 0 and "EXIT 0 2" in job.text(), job.text()[-4000:]
+    _, said = job.wait_for(lambda line: line.startswith("nemo-wrap: error: rank 0 of 2"), timeout=0)
+    assert said.startswith(f"nemo-wrap: error: rank 0 of 2: {doing}: rank 1 is gone (killed, crashed"), said
 
 
 def test_sigterm_to_every_process_of_an_nproc_job_checkpoints_and_exits_75(uninterrupted, hook, tmp_path):
