@@ -23,11 +23,14 @@ A save can also run in the background (:func:`start_checkpoint_save`), so traini
 the files are written: the state is copied to memory first (the only pause training sees), then a
 thread writes it. That thread's collectives must not share a process group with the training's —
 two threads issuing collectives on one gloo group interleave them — so it gets a group of its own
-(:func:`checkpoint_process_group`).
+(:func:`checkpoint_process_group`). The copy is agreed on before any thread starts
+(:class:`AgreedCopy`): when it fails on one rank (out of memory), the others' writer threads would
+otherwise wait in their first collective for a rank that never starts one, until the timeout.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -39,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -152,6 +156,34 @@ class PendingSave:
             discard(self.staged)
 
 
+class AgreedCopy(AsyncStager):
+    """DCP's own copy of the state to memory, followed by every rank agreeing that it succeeded.
+
+    ``async_save`` calls :meth:`stage` in the calling thread and starts the writer thread after it
+    returns; so a copy that failed anywhere raises on every rank here (one small all-reduce on the
+    job's group, which no writer thread uses), and no writer thread starts anywhere.
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self, group: RankGroup) -> None:
+        self._copy = DefaultStager(StagingOptions(False, False, False, False))  # a plain blocking copy to CPU
+        self._group = group
+
+    def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        copy = partial(cast("Callable[[dict[str, Any]], dict[str, Any]]", self._copy.stage), state_dict)
+        try:
+            return self._group.on_every_rank("copying the state to write", copy)
+        finally:
+            self._copy.close()
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` copies before it returns."""
+
+    def close(self) -> None:
+        """Nothing to release: :meth:`stage` closes its copier."""
+
+
 def start_checkpoint_save(
     directory: str | Path,
     model: nn.Module,
@@ -176,11 +208,16 @@ def start_checkpoint_save(
     state = _training_state(model, optimizer, step, data)
     with staged_save(target, group) as (staged, failure):
         start = partial(
-            dcp.async_save, state, checkpoint_id=staged, process_group=process_group, no_dist=not group.collective
+            dcp.async_save,
+            state,
+            checkpoint_id=staged,
+            process_group=process_group,
+            async_stager=AgreedCopy(group),
+            no_dist=not group.collective,
         )
         try:
-            # a Future: the default stager copies before returning, so no staging future comes back
-            written = cast("Future[Any]", group.on_every_rank("copying the state to write", start))
+            # a Future: the stager copies before returning, so no staging future comes back
+            written = cast("Future[Any]", group.on_every_rank("starting the background write", start))
         except Exception as error:
             raise failure(f"starting the background write failed: {error}") from error
     return PendingSave(target, staged, step, written, group)

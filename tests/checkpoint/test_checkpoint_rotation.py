@@ -166,6 +166,45 @@ def test_a_failed_background_write_raises_on_every_rank_and_keeps_the_previous_c
     assert (directory / "latest").read_text() == "checkpoint-4\n"
 
 
+def case_background_copy_fails_on_one_rank(directory: str) -> dict:
+    """Rank 1 runs out of memory copying the state of step 2: no rank starts its writer thread."""
+    import time
+
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    model, optimizer = _build()
+    rotation = CheckpointRotation(directory, keep_last=2, asynchronous=True)
+    _train(model, optimizer, 1)
+    rotation.save(model, optimizer, 1)
+    stage = DefaultStager.stage
+
+    def out_of_memory(self, state_dict, **kwargs):
+        raise MemoryError("cannot allocate the copy")
+
+    if _rank() == 1:
+        DefaultStager.stage = out_of_memory
+    started = time.monotonic()
+    try:
+        with pytest.raises(CheckpointSaveError) as failed:
+            rotation.save(model, optimizer, 2)
+    finally:
+        DefaultStager.stage = stage
+    took = time.monotonic() - started
+    rotation.save(model, optimizer, 3)  # the background group is free: no writer thread is stuck in it
+    rotation.close()
+    return {"message": str(failed.value), "took": took, "restored": _loaded(Path(directory) / "checkpoint-3")[0]}
+
+
+def test_a_failed_background_copy_raises_on_every_rank_at_once_and_the_next_save_works(ranks2, tmp_path):
+    directory = tmp_path / "run"
+    for rank, result in enumerate(ranks2.run(case_background_copy_fails_on_one_rank, str(directory))):
+        assert result["message"].startswith(f"{directory / 'checkpoint-2'}: starting the background write failed: ")
+        said = "cannot allocate the copy" if rank == 1 else "another rank failed while copying the state to write"
+        assert said in result["message"], rank
+        assert result["took"] < 10 and result["restored"] == 3, rank  # the group's timeout is 600 s
+    assert _listing(directory) == ["checkpoint-1", "checkpoint-3", "latest"]
+
+
 def case_resolve_resume(output_dir: str, empty: str, bogus: str) -> dict:
     newest = rotation_module.newest_checkpoint
     if _rank() == 1:  # rank 1 would see another newest checkpoint: rank 0's answer must win anyway
