@@ -7,11 +7,14 @@ loads without a word. A resume has to refuse such a directory before any rank re
 name the file at fault.
 
 So a save ends with a manifest (:data:`MANIFEST`), written by rank 0 into the staging directory
-once DCP has finished and before the directory is moved into place: every file's name and exact
-size, and the SHA-256 of ``.metadata`` — what ties DCP's index to these data files. A load checks
-it against the directory (:func:`checkpoint_layout`), and then what the index itself allows: every
-file it names exists and is long enough for every item it indexes. Checkpoints written before
-manifests existed get these last checks alone.
+once DCP has finished and before the directory is moved into place: every file's name, exact size
+and content digest (:mod:`.digest`: XXH3, computed while the file was written). A load checks it
+against the directory before reading any tensor: rank 0 the sizes and the digest of ``.metadata``
+(:func:`checkpoint_layout`: what ties DCP's index to these data files), then every rank the
+digests of its share of the data files (:func:`verify_contents`), and then what the index itself
+allows: every file it names exists and is long enough for every item it indexes. Version-1
+manifests (sizes, and the SHA-256 of ``.metadata``) are still checked as they were; checkpoints
+written before manifests existed get the index checks alone.
 """
 
 from __future__ import annotations
@@ -20,18 +23,23 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from nemo_wrap.checkpoint.digest import DIGEST, Digests, file_digest
 from nemo_wrap.checkpoint.strict_json import read_json_file
-from nemo_wrap.errors import CheckpointNotFoundError, CorruptCheckpointError
+from nemo_wrap.distributed.collectives import RankGroup
+from nemo_wrap.errors import CheckpointNotFoundError, CheckpointSaveError, CorruptCheckpointError
 
 METADATA = ".metadata"  # written by DCP's file writer once every rank's data is in
 MANIFEST = "nemo_wrap_manifest.json"
 _FORMAT = "nemo_wrap resumable checkpoint manifest"
-_VERSION = 1
+_VERSION = 2  # 2: each file's size and content digest; 1: sizes, and the SHA-256 of .metadata
 _MAX_MANIFEST_BYTES = 16 * 2**20
 
 # A checkpoint's index: each flattened state-dict key → its tensor's global shape, or None for a
@@ -47,10 +55,24 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(staged: Path) -> None:
-    """Record the files DCP wrote into ``staged`` (rank 0, after the save, before the move)."""
-    files = {p.name: p.stat().st_size for p in sorted(staged.iterdir()) if p.is_file() and p.name != MANIFEST}
-    manifest = {"format": _FORMAT, "version": _VERSION, "metadata_sha256": _sha256(staged / METADATA), "files": files}
+@dataclass(frozen=True)
+class FileRecord:
+    """What the manifest says of one file: its size, and its content digest (``None``: version 1)."""
+
+    size: int
+    digest: str | None
+
+
+def write_manifest(staged: Path, digests: Digests) -> None:
+    """Record the files DCP wrote into ``staged`` with the digests taken while they were written
+    (rank 0, after the save, before the move)."""
+    files = {}
+    for path in sorted(staged.iterdir()):
+        if path.is_file() and path.name != MANIFEST:
+            if path.name not in digests:
+                raise CheckpointSaveError(f"{path}: written without passing through the digesting writer")
+            files[path.name] = {"size": path.stat().st_size, DIGEST: digests[path.name]}
+    manifest = {"format": _FORMAT, "version": _VERSION, "files": files}
     with (staged / MANIFEST).open("x", encoding="utf-8") as file:
         json.dump(manifest, file, indent=1, sort_keys=True)
         file.write("\n")
@@ -79,30 +101,75 @@ def checkpoint_layout(directory: Path) -> Layout:
 
 def _check_manifest(directory: Path) -> None:
     """``.metadata`` is the one this save wrote, and every file the manifest lists is there with
-    its exact size."""
-    files, digest = _read_manifest(directory / MANIFEST)
-    if _sha256(directory / METADATA) != digest:
+    its exact size (the data files' contents are :func:`verify_contents`'s)."""
+    files, metadata_sha256 = _read_manifest(directory / MANIFEST)
+    if METADATA in files and files[METADATA].digest is not None:
+        same_index = file_digest(directory / METADATA) == files[METADATA].digest
+    else:
+        same_index = metadata_sha256 is None or _sha256(directory / METADATA) == metadata_sha256
+    if not same_index:
         raise CorruptCheckpointError(
-            f"{directory / METADATA}: not the index this checkpoint was saved with (its SHA-256 differs from the "
+            f"{directory / METADATA}: not the index this checkpoint was saved with (its digest differs from the "
             f"one in {MANIFEST}): it belongs to another save, and would read these files as that save's tensors"
         )
-    for name, size in sorted(files.items()):
-        _require_size(directory / name, size, exact=True, source=MANIFEST)
+    for name, record in sorted(files.items()):
+        _require_size(directory / name, record.size, exact=True, source=MANIFEST)
 
 
-def _read_manifest(path: Path) -> tuple[dict[str, int], str]:
-    """The manifest's files (name → size) and the SHA-256 of ``.metadata``, after checking its format."""
+def verify_contents(directory: Path, group: RankGroup) -> None:
+    """Every data file's content digest equals the manifest's; raises :class:`CorruptCheckpointError`
+    naming the first file that differs, on every rank. The files are shared out over the ranks,
+    each hashing its share (collective: every rank calls it, after :func:`checkpoint_layout`)."""
+    if not (directory / MANIFEST).is_file():
+        return
+    files, _ = _read_manifest(directory / MANIFEST)
+    names = [name for name, record in sorted(files.items()) if record.digest is not None]
+    problem = None
+    for name in names[group.rank :: group.size]:
+        if file_digest(directory / name) != files[name].digest:
+            problem = (
+                f"{directory / name}: its contents changed since the save (its {DIGEST} digest differs from the one "
+                f"in {MANIFEST}, though its size is the same): damaged on disk or in a copy"
+            )
+            break
+    problems: list[str | None] = [problem]
+    if group.collective:
+        problems = [None] * group.size
+        dist.all_gather_object(problems, problem, group=group.process_group)
+    found = sorted(p for p in problems if p is not None)
+    if found:
+        raise CorruptCheckpointError(found[0])
+
+
+def _read_manifest(path: Path) -> tuple[dict[str, FileRecord], str | None]:
+    """The manifest's files and (version 1) the SHA-256 of ``.metadata``, after checking its format."""
     manifest = read_json_file(path, "checkpoint manifest", _MAX_MANIFEST_BYTES)
-    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT or manifest.get("version") != _VERSION:
-        raise CorruptCheckpointError(f"{path}: not a version-{_VERSION} nemo_wrap checkpoint manifest")
-    files, digest = manifest.get("files"), manifest.get("metadata_sha256")
-    if (
-        not isinstance(files, dict)
-        or not isinstance(digest, str)
-        or not all(_plain_name(name) and type(size) is int and size >= 0 for name, size in files.items())
-    ):
+    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT or manifest.get("version") not in (1, 2):
+        raise CorruptCheckpointError(f"{path}: not a version-1 or -2 nemo_wrap checkpoint manifest")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(_plain_name(name) for name in files):
+        raise CorruptCheckpointError(f"{path}: 'files' must map file names to what was written")
+    if manifest["version"] == 1:
+        return _version_1(path, files, manifest.get("metadata_sha256"))
+    records = {name: _record(entry) for name, entry in files.items()}
+    if not all(records.values()):
+        raise CorruptCheckpointError(f"{path}: each file's entry must hold its 'size' and '{DIGEST}' digest")
+    return {name: record for name, record in records.items() if record is not None}, None
+
+
+def _version_1(path: Path, files: dict[str, Any], digest: object) -> tuple[dict[str, FileRecord], str | None]:
+    if not isinstance(digest, str) or not all(type(size) is int and size >= 0 for size in files.values()):
         raise CorruptCheckpointError(f"{path}: 'files' must map file names to sizes, and 'metadata_sha256' be a string")
-    return dict(files), digest
+    return {name: FileRecord(size, None) for name, size in files.items()}, digest
+
+
+def _record(entry: object) -> FileRecord | None:
+    if not isinstance(entry, dict):
+        return None
+    size, digest = entry.get("size"), entry.get(DIGEST)
+    if type(size) is not int or size < 0 or not isinstance(digest, str):
+        return None
+    return FileRecord(size, digest)
 
 
 def _plain_name(name: object) -> bool:

@@ -48,7 +48,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from nemo_wrap.checkpoint.atomic import discard, replace_directory, save_failed, staged_save
 from nemo_wrap.checkpoint.compatibility import require_fit
-from nemo_wrap.checkpoint.manifest import METADATA, Layout, checkpoint_layout, write_manifest
+from nemo_wrap.checkpoint.digest import DigestingWriter, Digests
+from nemo_wrap.checkpoint.manifest import METADATA, Layout, checkpoint_layout, verify_contents, write_manifest
 from nemo_wrap.distributed.collectives import RankGroup, is_multi_rank
 from nemo_wrap.errors import (
     CheckpointNotFoundError,
@@ -65,9 +66,9 @@ def holds_checkpoint(directory: Path) -> bool:
     return (directory / METADATA).is_file()
 
 
-def _seal_and_move(staged: Path, target: Path) -> None:
+def _seal_and_move(staged: Path, target: Path, digests: Digests) -> None:
     """Rank 0, once every rank's files are in ``staged``: add the manifest, put it at ``target``."""
-    write_manifest(staged)
+    write_manifest(staged, digests)
     replace_directory(staged, target)
 
 
@@ -100,11 +101,13 @@ def save_checkpoint(
     group = RankGroup.job()  # DCP is collective over the job
     state = _training_state(model, optimizer, step, data)
     with staged_save(target, group) as (staged, failure):
+        writer = DigestingWriter(staged)
         try:
-            dcp.save(state, checkpoint_id=staged)
+            dcp.save(state, storage_writer=writer)
         except CheckpointException as error:  # raised on every rank when any rank failed
             raise failure(f"writing the sharded state failed: {error}") from error
-        group.on_rank_zero("moving the checkpoint into place", partial(_seal_and_move, staged, target), failure)
+        seal = partial(_seal_and_move, staged, target, writer.job_digests(group))
+        group.on_rank_zero("moving the checkpoint into place", seal, failure)
 
 
 def checkpoint_process_group() -> dist.ProcessGroup | None:
@@ -121,6 +124,7 @@ class PendingSave:
     staged: Path
     step: int
     written: Future[Any]  # DCP's: done when this rank's files are written
+    writer: DigestingWriter  # this rank's files' digests, once written
     group: RankGroup
 
     def finish(self) -> None:
@@ -131,7 +135,8 @@ class PendingSave:
         """
         try:
             self.group.on_every_rank("writing the sharded state", self._wait_for_write)
-            self.group.on_rank_zero("moving the checkpoint into place", self._move, self._failure)
+            seal = partial(_seal_and_move, self.staged, self.target, self.writer.job_digests(self.group))
+            self.group.on_rank_zero("moving the checkpoint into place", seal, self._failure)
         except CheckpointSaveError:
             self._discard()
             raise
@@ -147,9 +152,6 @@ class PendingSave:
             self.written.result()
         except CheckpointException as error:  # raised on every rank when any rank failed; a BaseException
             raise self._failure(f"writing the sharded state of step {self.step} failed: {error}") from error
-
-    def _move(self) -> None:
-        _seal_and_move(self.staged, self.target)
 
     def _discard(self) -> None:
         if self.group.is_writer:
@@ -207,10 +209,11 @@ def start_checkpoint_save(
         raise DistributedStateError("a background save on several ranks needs its own process group")
     state = _training_state(model, optimizer, step, data)
     with staged_save(target, group) as (staged, failure):
+        writer = DigestingWriter(staged)
         start = partial(
             dcp.async_save,
             state,
-            checkpoint_id=staged,
+            storage_writer=writer,
             process_group=process_group,
             async_stager=AgreedCopy(group),
             no_dist=not group.collective,
@@ -220,7 +223,7 @@ def start_checkpoint_save(
             written = cast("Future[Any]", group.on_every_rank("starting the background write", start))
         except Exception as error:
             raise failure(f"starting the background write failed: {error}") from error
-    return PendingSave(target, staged, step, written, group)
+    return PendingSave(target, staged, step, written, writer, group)
 
 
 def load_checkpoint(
@@ -252,12 +255,14 @@ def load_checkpoint(
 def _inspected(path: Path, group: RankGroup) -> Layout:
     """The checkpoint's index, once rank 0 found its files sound; every rank gets the same answer,
     or raises the same error."""
-    return group.on_rank_zero(
+    layout = group.on_rank_zero(
         "checking the checkpoint's files",
         partial(checkpoint_layout, path),
         partial(_unreadable, path),
         passed=(CheckpointNotFoundError, CorruptCheckpointError),
     )
+    verify_contents(path, group)
+    return layout
 
 
 def _unreadable(path: Path, description: str) -> CorruptCheckpointError:

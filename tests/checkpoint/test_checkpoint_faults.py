@@ -179,7 +179,22 @@ def _truncate(path: Path) -> None:
         file.truncate(path.stat().st_size // 2)
 
 
+def _flip_a_bit(path: Path) -> None:
+    """One bit of the middle byte flipped: the size stays, the contents do not."""
+    with path.open("r+b") as file:
+        file.seek(path.stat().st_size // 2)
+        byte = file.read(1)[0]
+        file.seek(-1, 1)
+        file.write(bytes([byte ^ 0x10]))
+
+
 DAMAGES = {  # how to damage a copy of a good checkpoint; the file its error names; words of the message
+    "flipped bit in rank 0's shard": (lambda d, other: _flip_a_bit(d / "__0_0.distcp"), "__0_0.distcp",
+                                      "contents changed since the save"),  # fmt: skip
+    "flipped bit in rank 1's shard": (lambda d, other: _flip_a_bit(d / "__1_0.distcp"), "__1_0.distcp",
+                                      "contents changed since the save"),  # fmt: skip
+    "flipped bit in the index": (lambda d, other: _flip_a_bit(d / ".metadata"), ".metadata",
+                                 "not the index this checkpoint was saved with"),  # fmt: skip
     "truncated shard": (lambda d, other: _truncate(d / "__1_0.distcp"), "__1_0.distcp", "truncated"),
     "missing shard": (lambda d, other: (d / "__0_0.distcp").unlink(), "__0_0.distcp", "missing"),
     "metadata of another save": (
