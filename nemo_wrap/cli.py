@@ -30,12 +30,21 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from nemo_wrap.checkpoint.manifest import WEIGHTS_MANIFEST, verify_weights
 from nemo_wrap.distributed import destroy_distributed, initialize_distributed
+from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.distributed.setup import DistributedSetup
-from nemo_wrap.errors import InvalidSetupError, NeMoWrapError, PreemptedError, TokenizerNotFoundError
+from nemo_wrap.errors import (
+    CorruptCheckpointError,
+    InvalidSetupError,
+    NeMoWrapError,
+    PreemptedError,
+    TokenizerNotFoundError,
+)
 from nemo_wrap.memory.prediction import DEFAULT_MARGIN
 from nemo_wrap.recipes.config import Recipe
 from nemo_wrap.recipes.config_file import (
@@ -297,14 +306,28 @@ def _run_report(recipe: Recipe) -> int:
     env = initialize_distributed(timeout_s=recipe.distributed.timeout_s)
     try:
         setup = distributed_setup(recipe, env.world_size)
+        checked = _verified_weights(Path(path))
         model = NeMoAutoModelForCausalLM.from_pretrained(
             path, distributed_setup=setup, options=load_options(recipe, verify=True)
         )
         if env.is_main_process:
+            if checked:
+                print(f"weights: {checked} file(s) hold the contents the save wrote (digests in {WEIGHTS_MANIFEST})")
             print(model.load_report)
     finally:
         destroy_distributed()
     return 0
+
+
+def _verified_weights(path: Path) -> int:
+    """Rank 0 checks a consolidated save's weight files against their digests; every rank gets the
+    count checked, or raises the same :class:`CorruptCheckpointError`."""
+    return RankGroup.job().on_rank_zero(
+        "checking the weights' digests",
+        partial(verify_weights, path),
+        lambda description: CorruptCheckpointError(f"{path}: {description}"),
+        passed=(CorruptCheckpointError,),
+    )
 
 
 def _run_finetune(recipe: Recipe) -> int:

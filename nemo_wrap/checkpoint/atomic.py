@@ -29,13 +29,13 @@ from fnmatch import fnmatch
 from functools import partial
 from pathlib import Path
 
-from nemo_wrap.checkpoint.manifest import MANIFEST, METADATA
+from nemo_wrap.checkpoint.manifest import MANIFEST, METADATA, WEIGHTS_MANIFEST
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.errors import CheckpointSaveError
 
 # Files of a previous save that a new one supersedes (weights, their index, DCP's shards, its index
 # and the manifest of them).
-_WEIGHT_FILES = ("model*.safetensors", "model.safetensors.index.json", "*.distcp", METADATA, MANIFEST)
+_WEIGHT_FILES = ("model*.safetensors", "model.safetensors.index.json", "*.distcp", METADATA, MANIFEST, WEIGHTS_MANIFEST)
 # The hidden siblings this module (and pruning) makes: ``.{name}.tmp-<hex>`` being written,
 # ``.{name}.old-<hex>`` renamed aside to be deleted (:mod:`.leftovers` resolves those a crash left).
 STAGING_NAME = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]{12}")

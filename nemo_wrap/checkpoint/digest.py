@@ -61,6 +61,14 @@ class DigestingStream(io.RawIOBase):
     def flush(self) -> None:
         self.raw.flush()
 
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            super().close()  # flushes, while ``raw`` is still open
+        finally:
+            self.raw.close()
+
     def hexdigest(self) -> str:
         return str(self._hash.hexdigest())
 

@@ -38,6 +38,9 @@ from nemo_wrap.errors import CheckpointNotFoundError, CheckpointSaveError, Corru
 
 METADATA = ".metadata"  # written by DCP's file writer once every rank's data is in
 MANIFEST = "nemo_wrap_manifest.json"
+# A consolidated save's weight files with their sizes and digests (:func:`verify_weights`).
+WEIGHTS_MANIFEST = "nemo_wrap_weights.json"
+_WEIGHTS_FORMAT = "nemo_wrap consolidated weights manifest"
 _FORMAT = "nemo_wrap resumable checkpoint manifest"
 _VERSION = 2  # 2: each file's size and content digest; 1: sizes, and the SHA-256 of .metadata
 _MAX_MANIFEST_BYTES = 16 * 2**20
@@ -78,6 +81,32 @@ def write_manifest(staged: Path, digests: Digests) -> None:
         file.write("\n")
         file.flush()
         os.fsync(file.fileno())
+
+
+def write_weights_manifest(staged: Path, digests: Digests) -> None:
+    """Record a consolidated save's weight files (``digests``: taken while each was written)."""
+    files = {name: {"size": (staged / name).stat().st_size, DIGEST: digest} for name, digest in sorted(digests.items())}
+    text = json.dumps({"format": _WEIGHTS_FORMAT, "version": 1, "files": files}, indent=1, sort_keys=True) + "\n"
+    (staged / WEIGHTS_MANIFEST).write_text(text, encoding="utf-8")
+
+
+def verify_weights(directory: Path) -> int:
+    """Check a consolidated save's weight files against its weights manifest; return how many were
+    checked (0: no manifest, a checkpoint from elsewhere). :class:`CorruptCheckpointError` names a
+    file that is missing, of another size, or whose contents changed."""
+    if not (directory / WEIGHTS_MANIFEST).is_file():
+        return 0
+    manifest = read_json_file(directory / WEIGHTS_MANIFEST, "weights manifest", _MAX_MANIFEST_BYTES)
+    files = manifest.get("files") if isinstance(manifest, dict) and manifest.get("format") == _WEIGHTS_FORMAT else None
+    records = {name: _record(entry) for name, entry in files.items()} if isinstance(files, dict) else {}
+    if not records or not all(_plain_name(name) and record for name, record in records.items()):
+        raise CorruptCheckpointError(f"{directory / WEIGHTS_MANIFEST}: not a nemo_wrap weights manifest")
+    for name, record in sorted(records.items()):
+        assert record is not None and record.digest is not None  # checked above
+        _require_size(directory / name, record.size, exact=True, source=WEIGHTS_MANIFEST)
+        if file_digest(directory / name) != record.digest:
+            raise CorruptCheckpointError(_changed(directory / name, WEIGHTS_MANIFEST))
+    return len(records)
 
 
 def checkpoint_layout(directory: Path) -> Layout:
@@ -127,10 +156,7 @@ def verify_contents(directory: Path, group: RankGroup) -> None:
     problem = None
     for name in names[group.rank :: group.size]:
         if file_digest(directory / name) != files[name].digest:
-            problem = (
-                f"{directory / name}: its contents changed since the save (its {DIGEST} digest differs from the one "
-                f"in {MANIFEST}, though its size is the same): damaged on disk or in a copy"
-            )
+            problem = _changed(directory / name, MANIFEST)
             break
     problems: list[str | None] = [problem]
     if group.collective:
@@ -139,6 +165,13 @@ def verify_contents(directory: Path, group: RankGroup) -> None:
     found = sorted(p for p in problems if p is not None)
     if found:
         raise CorruptCheckpointError(found[0])
+
+
+def _changed(path: Path, manifest: str) -> str:
+    return (
+        f"{path}: its contents changed since the save (its {DIGEST} digest differs from the one in {manifest}, "
+        f"though its size is the same): damaged on disk or in a copy"
+    )
 
 
 def _read_manifest(path: Path) -> tuple[dict[str, FileRecord], str | None]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from nemo_wrap.checkpoint.digest import DigestingStream
 from nemo_wrap.checkpoint.safetensors_file import DTYPES
 from nemo_wrap.errors import CheckpointSaveError
 
@@ -41,7 +42,7 @@ class SafetensorsStream:
         encoded += b" " * (-len(encoded) % 8)
         self._pending = list(layout.items())[::-1]
         self._path = path
-        self._file = path.open("wb")
+        self._file = DigestingStream(path.open("wb"))  # hashed as written: the manifest's digest
         self._file.write(struct.pack("<Q", len(encoded)) + encoded)
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
@@ -52,6 +53,11 @@ class SafetensorsStream:
                 f"{list(shape)} {dtype} next"
             )
         self._file.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+    @property
+    def digest(self) -> str:
+        """The content digest of what was written (:mod:`.digest`)."""
+        return self._file.hexdigest()
 
     def close(self) -> None:
         self._file.close()

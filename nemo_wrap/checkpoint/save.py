@@ -30,8 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nemo_wrap.checkpoint.atomic import replace_directory, staged_save
+from nemo_wrap.checkpoint.digest import Digests
 from nemo_wrap.checkpoint.gather import FullTensors, SavingRanks, TensorInfo, Writable
 from nemo_wrap.checkpoint.locate import INDEX_FILE, SINGLE_FILE
+from nemo_wrap.checkpoint.manifest import write_weights_manifest
 from nemo_wrap.checkpoint.safetensors_stream import SafetensorsStream
 from nemo_wrap.distributed.collectives import RankGroup
 from nemo_wrap.errors import CheckpointSaveError, InvalidShardSizeError, UnsupportedSaveOptionError
@@ -81,10 +83,10 @@ def save_hf_checkpoint(
     limit = _parse_size(max_shard_size)
     tensors = FullTensors(_tensors_to_write(model, state_dict), ranks.pipeline)
     with staged_save(target, group) as (staged, failure):
-        index = _write_files(
+        index, digests = _write_files(
             tensors, _plan_files(tensors.info, limit), _hf_keys_converter(adapter), staged, group, failure
         )
-        finish = partial(_finish, model, architecture, tensors.info, tokenizer, staged, target, index)
+        finish = partial(_finish, model, architecture, tensors.info, tokenizer, staged, target, index, digests)
         group.on_rank_zero("writing the config and finishing", finish, failure)
 
 
@@ -95,10 +97,12 @@ def _write_files(
     staged: Path,
     group: RankGroup,
     failure: Callable[[str], CheckpointSaveError],
-) -> dict[str, Any] | None:
+) -> tuple[dict[str, Any] | None, Digests]:
     """Gather and write one tensor at a time (rank 0 streams it into its file); the index when
-    there are several files. The files' layouts come from the global shapes, on every rank."""
+    there are several files, and each file's digest. The files' layouts come from the global
+    shapes, on every rank."""
     weight_map: dict[str, str] = {}
+    digests: Digests = {}
     total_size = 0
     bar = progress_bar(len(tensors.info), "saving", group.is_writer)
     for filename, names in files.items():
@@ -110,13 +114,13 @@ def _write_files(
                 writer.write(to_hf(name, full))
             del full  # before the next gather: two whole tensors are never held at once
             bar.update(1)
-        group.on_rank_zero(f"writing {filename}", writer.finish, failure)
+        digests[filename] = group.on_rank_zero(f"writing {filename}", writer.finish, failure)
         weight_map.update(dict.fromkeys(layout, filename))
         total_size += sum(dtype.itemsize * math.prod(shape) for shape, dtype in layout.values())
     bar.close()
     if len(files) == 1:
-        return None
-    return {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        return None, digests
+    return {"metadata": {"total_size": total_size}, "weight_map": weight_map}, digests
 
 
 def _hf_layout(
@@ -154,11 +158,13 @@ class _FileWriter:
             self.error = caught
             self.stream.abandon()
 
-    def finish(self) -> None:
+    def finish(self) -> str:
+        """Close the file; return its content digest."""
         if self.error is not None:
             raise self.error
         assert self.stream is not None  # finish runs on the writer, whose stream opened
         self.stream.close()
+        return self.stream.digest
 
 
 def _tensors_to_write(model: PreTrainedModel, state_dict: Mapping[str, torch.Tensor] | None) -> dict[str, Writable]:
@@ -231,8 +237,10 @@ def _finish(
     staged: Path,
     target: Path,
     index: dict[str, Any] | None,
+    digests: Digests,
 ) -> None:
-    """Index, config, generation config and tokenizer into ``staged``; then swap it in."""
+    """Index, config, generation config, tokenizer and the weights' manifest into ``staged``; then
+    swap it in."""
     if index is not None:
         (staged / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     config = copy.deepcopy(model.config)
@@ -246,4 +254,5 @@ def _finish(
         generation_config.save_pretrained(staged)
     if tokenizer is not None:
         tokenizer.save_pretrained(staged)
+    write_weights_manifest(staged, digests)
     replace_directory(staged, target)

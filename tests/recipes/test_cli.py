@@ -295,3 +295,28 @@ def test_sft_and_the_text_job_under_pipeline_and_context_parallel_on_two_ranks(c
     assert (tmp_path / "sft" / "adapter_config.json").is_file()
     _assert_loads_with_plain_transformers(tmp_path / "text")
     _assert_loads_with_plain_transformers(tmp_path / "context")
+
+
+def _flip_a_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("max_shard_size", ["5GB", "100KB"], ids=["one-file", "sharded"])
+def test_report_refuses_a_consolidated_save_with_a_flipped_bit(cache, tmp_path, capsys, max_shard_size):
+    from nemo_wrap import NeMoAutoModelForCausalLM
+
+    saved = tmp_path / "saved"
+    NeMoAutoModelForCausalLM.from_pretrained(default_model_path()).save_pretrained(
+        saved, max_shard_size=max_shard_size, tokenizer=AutoTokenizer.from_pretrained(default_model_path())
+    )
+    weights = sorted(saved.glob("model*.safetensors"))
+    assert main(["report", str(saved)]) == 0
+    assert f"weights: {len(weights)} file(s) hold the contents the save wrote" in capsys.readouterr().out
+    _flip_a_bit(weights[-1])
+    with pytest.raises(SystemExit) as refused:
+        main(["report", str(saved)])
+    assert refused.value.code == 2
+    said = capsys.readouterr().err
+    assert f"{weights[-1]}: its contents changed since the save" in said and said.count("\n") == 1, said
