@@ -141,7 +141,9 @@ def test_save_replaces_an_existing_checkpoint(tmp_path):
     _build("hf", False, seed=1).save_pretrained(target, max_shard_size=SMALL_SHARDS)
     newer = _build("hf", False, seed=2)
     newer.save_pretrained(target)  # one file now: the old shards and index must be gone
-    assert sorted(p.name for p in target.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in target.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "nemo_wrap_weights.json"
+    ]
     with torch.no_grad():
         expected = newer(input_ids=_input_ids()).logits
         actual = AutoModelForCausalLM.from_pretrained(target)(input_ids=_input_ids()).logits

@@ -489,3 +489,4 @@ def test_the_fault_flags_are_recipe_keys(capsys):
     assert main(["finetune", "--print-config"]) == 0
     printed = capsys.readouterr().out
     assert "max_restarts: 0" in printed and "timeout_s: 1800.0" in printed
+
