@@ -7,11 +7,15 @@ into token windows; anything else is a data set of rows. Either way the rows go 
 :class:`DataParallelBatches`, so resuming, evaluation and checkpoints work alike for both. Every
 rank runs it; only the rank that speaks for the job prints, shows the progress bar and logs.
 
-Faults end a run in a known state. A SIGTERM (a scheduler taking the machines back) stops every
-rank after the same step with a resumable checkpoint (:mod:`.preemption`); a rank that stops
-answering makes the others raise :class:`PeerTimeoutError` after the process group's timeout, naming
-the step; a rank that dies leaves the checkpoints written so far, which ``resume="auto"`` (after a
-restart by torchrun's ``--max-restarts``) continues from, data position included.
+Faults end a run in a known state (``docs/faults.md``). A SIGTERM (a scheduler taking the machines
+back) at any moment from reading the data to the end of the final save stops every rank at the same
+point with every finished step kept (:mod:`.preemption`): before the first step with nothing to
+save, during the loop after the unit under way with a resumable checkpoint, after the last step
+with the final save finished and recorded (:mod:`.completion`). A rank that stops answering makes
+the others raise :class:`PeerTimeoutError` after the process group's timeout, and one that dies
+:class:`PeerLostError` at once, naming it; either names the phase. The checkpoints written so far
+stay, and ``resume="auto"`` (after a restart by torchrun's ``--max-restarts``) continues from the
+newest, data position included, once what killed saves left behind is resolved.
 
 Why :class:`SFTConfig` holds the recipe's sections (:mod:`.config`) instead of fields of its own:
 each training option is then declared once — name, default, help, flag and check — and reaches a
@@ -111,8 +115,9 @@ def run_sft(
 
     Raises :class:`PreemptedError` when a SIGTERM stopped it (a resumable checkpoint of every
     finished step is then in place; before the first step there is nothing to save), and
-    :class:`PeerTimeoutError` when another rank stopped answering during a step, its evaluation or
-    its checkpoint. A SIGTERM after the last step lets the final save finish: the run is complete.
+    :class:`PeerTimeoutError` (:class:`PeerLostError`) when another rank stopped answering (died)
+    during the load, a step, an evaluation or a save. A SIGTERM after the last step lets the final
+    save finish: the run is complete.
     """
     with stop_requests() as stop:  # from reading the data to the end of the final save
         return _run(model_path, setup, config, tokenizer, say, stop)
