@@ -10,8 +10,9 @@ one line naming the problem, not a traceback.
 Faults: ``--timeout SECONDS`` bounds how long a collective waits for a rank that stopped answering
 (the others then fail with status 2, naming the step); a SIGTERM makes every rank finish its step,
 write a resumable checkpoint and exit with status 75 (``PREEMPTED_EXIT_STATUS``, EX_TEMPFAIL: "try
-again"); ``--max-restarts N`` (with ``--nproc``) restarts every rank after one dies. With
-``--save-every N --resume auto`` a restarted or rerun job continues from the newest complete
+again"; before the first step nothing is saved, and after the last one the final save is finished
+and the run exits 0: ``docs/faults.md``); ``--max-restarts N`` (with ``--nproc``) restarts every
+rank after one dies. With ``--save-every N --resume auto`` a restarted or rerun job continues from the newest complete
 checkpoint: ``nemo-wrap finetune --nproc 2 --max-restarts 2 --save-every 10 --resume auto``.
 
 A job is a recipe (:mod:`nemo_wrap.recipes.config`): ``--config FILE.yaml``, then the flags given —

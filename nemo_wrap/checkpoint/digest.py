@@ -90,6 +90,7 @@ class DigestingFileSystem(FileSystem):
             stream = DigestingStream(raw)
             yield stream
             self.digests[Path(path).name] = stream.hexdigest()
+            stream.close()  # DCP closes its data files' streams, not the one of .metadata
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)  # DCP writes .metadata aside, then renames it

@@ -19,6 +19,7 @@ are resolved too.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 from dataclasses import dataclass
@@ -89,11 +90,12 @@ def _resolve_all(output_dir: Path) -> list[Leftover]:
     """Rank 0's work for :func:`resolve_leftovers`: inside ``output_dir`` and beside it."""
     found = []
     inside = sorted(output_dir.iterdir()) if output_dir.is_dir() else []
-    beside = sorted(output_dir.parent.glob(f".{output_dir.name}.*")) if output_dir.parent.is_dir() else []
+    beside = sorted(output_dir.parent.glob(f".{glob.escape(output_dir.name)}.*")) if output_dir.parent.is_dir() else []
     for path in [*inside, *beside]:
         match = STAGING_NAME.fullmatch(path.name)
-        if match is not None:
-            found.append(_resolve(path, match.group("name"), staging=match.group("kind") == "tmp"))
+        if match is None or (path.parent != output_dir and match.group("name") != output_dir.name):
+            continue  # beside the directory, only its own: ``.exp.v2.tmp-*`` belongs to ``exp.v2``'s run
+        found.append(_resolve(path, match.group("name"), staging=match.group("kind") == "tmp"))
     return found
 
 

@@ -3,8 +3,9 @@
 SLURM (at a time limit or a preemption) and Kubernetes (evicting a pod) send SIGTERM, wait a grace
 period (SLURM's ``KillWait``, Kubernetes' ``terminationGracePeriodSeconds``; torchrun's agent, which
 forwards the signal to its workers, 30 s) and then SIGKILL. Everything trained since the last
-checkpoint is lost unless the run saves at once. So while the training loop runs a SIGTERM only
-records a request (:func:`stop_requests`); after each step every rank learns whether *any* rank was
+checkpoint is lost unless the run saves at once. So while a run runs a SIGTERM only
+records a request (:func:`stop_requests`); at fixed points (before the first step, after each step,
+after the final save) every rank learns whether *any* rank was
 asked (:meth:`StopRequest.agreed`, one one-element all-reduce), so a signal that reached one rank
 stops all of them after the same step — a checkpoint is a collective, and ranks that stopped at
 different steps would wait for each other forever. The loop then writes a resumable checkpoint and
@@ -56,7 +57,7 @@ class StopRequest:
 
     @property
     def requested(self) -> bool:
-        """Whether this process received a SIGTERM while the loop ran."""
+        """Whether this process received a SIGTERM while the run ran."""
         return self.signalled_at is not None
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
@@ -69,8 +70,8 @@ class StopRequest:
             os.kill(os.getpid(), signum)
 
     def agreed(self) -> bool:
-        """Whether any rank of the job was asked to stop. Collective: every rank calls it after each
-        step and gets the same answer (one one-element all-reduce; none in a one-rank job)."""
+        """Whether any rank of the job was asked to stop. Collective: every rank calls it at the same
+        points (see above) and gets the same answer (one one-element all-reduce; none in one rank)."""
         flag = torch.tensor([1 if self.requested else 0], device=collective_device())
         if RankGroup.job().collective:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

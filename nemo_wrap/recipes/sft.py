@@ -149,9 +149,13 @@ def _run(
             f"batches: {training.batch_size} rows per rank x {training.accumulation} micro-batch(es) x "
             f"{setup.dp_size} data-parallel rank(s) per step"
         )
-        start, resume = _resume(job, config, say)
-        _stop_before_training(stop, "loading the model", resume)
-        clear_completion(config.output_dir)
+        try:
+            start, resume = _resume(job, config, say)
+            _stop_before_training(stop, "loading the model", resume)
+            clear_completion(config.output_dir)
+        except BaseException:  # the trackers' runs end, as after the steps
+            job.log.close()
+            raise
     _train_and_evaluate(job, range(start, total), config, setup, stop)
     with peers_must_answer("the final save"):
         model.save_pretrained(config.output_dir, tokenizer=tokenizer)

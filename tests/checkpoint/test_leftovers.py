@@ -42,6 +42,7 @@ def test_leftovers_are_removed_or_restored_and_no_complete_checkpoint_is_deleted
     next((run / f".checkpoint-1.old-{HEX}").glob("*.distcp")).unlink()  # ...a shard already gone
     (run / f".latest.tmp-{HEX}").write_text("checkpoint-4\n")
     (tmp_path / f".run.tmp-{HEX}").mkdir()  # the final save's staging, beside the output directory
+    (tmp_path / f".run.v2.tmp-{HEX}").mkdir()  # another run's (output directory run.v2): not ours
     (run / "notes").mkdir()
     (tmp_path / ".elsewhere").mkdir()
 
@@ -57,7 +58,7 @@ def test_leftovers_are_removed_or_restored_and_no_complete_checkpoint_is_deleted
     }
     assert "the only complete copy of checkpoint-2" in done[f".checkpoint-2.old-{HEX}"].describe()
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-2", "checkpoint-3", "latest", "notes"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".elsewhere", "run"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".elsewhere", f".run.v2.tmp-{HEX}", "run"]
     assert newest_checkpoint(run) == run / "checkpoint-3"
     for step in (2, 3):
         restored, restored_optimizer = _model()
