@@ -40,7 +40,8 @@ class StrategyUnavailableError(NeMoWrapError, RuntimeError):
 
 
 class DistributedStateError(NeMoWrapError, RuntimeError):
-    """The process group is missing, or does not match what the caller asked for."""
+    """The process group is missing, or does not match what the caller asked for, or the launcher
+    started it in a way that cannot work (a multi-node restart that would hang)."""
 
 
 class UnsupportedPlacementError(NeMoWrapError, TypeError):

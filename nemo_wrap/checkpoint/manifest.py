@@ -104,8 +104,9 @@ def verify_weights(directory: Path) -> int:
     for name, record in sorted(records.items()):
         assert record is not None and record.digest is not None  # checked above
         _require_size(directory / name, record.size, exact=True, source=WEIGHTS_MANIFEST)
-        if file_digest(directory / name) != record.digest:
-            raise CorruptCheckpointError(_changed(directory / name, WEIGHTS_MANIFEST))
+        problem = _content_problem(directory / name, record.digest, WEIGHTS_MANIFEST)
+        if problem is not None:
+            raise CorruptCheckpointError(problem)
     return len(records)
 
 
@@ -155,8 +156,8 @@ def verify_contents(directory: Path, group: RankGroup) -> None:
     names = [name for name, record in sorted(files.items()) if record.digest is not None]
     problem = None
     for name in names[group.rank :: group.size]:
-        if file_digest(directory / name) != files[name].digest:
-            problem = _changed(directory / name, MANIFEST)
+        problem = _content_problem(directory / name, files[name].digest, MANIFEST)
+        if problem is not None:
             break
     problems: list[str | None] = [problem]
     if group.collective:
@@ -167,7 +168,16 @@ def verify_contents(directory: Path, group: RankGroup) -> None:
         raise CorruptCheckpointError(found[0])
 
 
-def _changed(path: Path, manifest: str) -> str:
+def _content_problem(path: Path, digest: str | None, manifest: str) -> str | None:
+    """What is wrong with ``path``'s contents (``None``: its digest is the manifest's). A file that
+    cannot be read is a problem to report, not an error to raise: in :func:`verify_contents` the
+    other ranks are waiting for this rank's answer."""
+    try:
+        same = file_digest(path) == digest
+    except OSError as error:
+        return f"{path}: cannot be read to check its contents ({error.strerror or error})"
+    if same:
+        return None
     return (
         f"{path}: its contents changed since the save (its {DIGEST} digest differs from the one in {manifest}, "
         f"though its size is the same): damaged on disk or in a copy"

@@ -3,6 +3,9 @@
 Under torchrun the launcher exports ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` and we
 join the default group through ``env://`` — on one node with a store of each attempt instead, so
 a job restarted by ``--max-restarts`` does not meet its previous attempt (:func:`_attempt_store`).
+Across nodes no attempt number is shared, so restarts there need a store of each attempt from the
+launcher, and a launch that would hang at its first restart is refused up front
+(:func:`_require_restartable_launch`).
 With no launcher (plain ``python``, a Jupyter kernel)
 we make a world of one on a TCP store bound to port 0, so the OS picks a free port atomically and
 two notebooks on one machine never collide. Re-running the cell that calls
@@ -103,6 +106,8 @@ def initialize_distributed(backend: str | None = None, timeout_s: float = 1800.0
     backend = backend or _default_backend()
     timeout = timedelta(seconds=timeout_s)
     global _single_process_store, _timeout_s
+    if _launched_by_torchrun():
+        _require_restartable_launch()
     attempt_store = _attempt_store(timeout) if _launched_by_torchrun() else None
     if attempt_store is not None:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -134,7 +139,8 @@ def _attempt_store(timeout: timedelta) -> dist.Store | None:
     longer makes: it reuses the first). On one node every rank restarts together and
     ``TORCHELASTIC_RESTART_COUNT`` is the same on all of them, so it scopes the keys. Across nodes
     it is not (an agent that restarts for another node's failure does not count it), so there
-    torch's ``env://`` is kept.
+    torch's ``env://`` is kept, and :func:`_require_restartable_launch` asks for a store of each
+    attempt when the job may restart.
     """
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or env.get("GROUP_WORLD_SIZE") != "1":
@@ -143,6 +149,24 @@ def _attempt_store(timeout: timedelta) -> dist.Store | None:
         env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False, timeout=timeout
     )
     return dist.PrefixStore(f"nemo_wrap/attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
+
+
+def _require_restartable_launch() -> None:
+    """Refuse a several-node torchrun launch whose restarts would hang: with ``--max-restarts``,
+    its agents sharing their store with the ranks (torchrun's default) and no attempt number the
+    nodes agree on (see :func:`_attempt_store`), a restarted group reads the dead ranks' gloo
+    addresses and waits on them until the timeout. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the
+    launcher's environment gives each attempt a store of its own, hosted by its rank 0."""
+    env = os.environ
+    several_nodes = env.get("GROUP_WORLD_SIZE", "1") != "1"
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if several_nodes and restarts > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        raise DistributedStateError(
+            f"torchrun --max-restarts {restarts} across {env['GROUP_WORLD_SIZE']} nodes with the agents' shared store: "
+            "a restarted group would meet the previous attempt's addresses in it and hang (pytorch issue 135712). "
+            "Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment of every torchrun (each attempt then "
+            "gets a store of its own), or restart the whole job instead (--max-restarts 0, --resume auto)"
+        )
 
 
 def destroy_distributed() -> None:

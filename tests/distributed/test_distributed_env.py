@@ -121,3 +121,29 @@ def case_env_inside_an_existing_group():
 
 def test_env_describes_an_existing_group(ranks2):
     assert ranks2.run(case_env_inside_an_existing_group) == [(0, 2, 0, "gloo", True), (1, 2, 1, "gloo", True)]
+
+
+_TORCHRUN_AGENT = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                   "TORCHELASTIC_USE_AGENT_STORE": "True"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("nodes", "restarts", "shared_store", "refused"),
+    [("2", "1", "True", True), ("2", "0", "True", False), ("1", "3", "True", False), ("2", "1", "False", False)],
+)  # fmt: skip
+def test_a_multi_node_launch_whose_restart_would_hang_is_refused_before_the_group_forms(
+    monkeypatch, nodes, restarts, shared_store, refused
+):
+    """A refused launch fails in ``initialize_distributed`` before any connection is tried (port 1
+    has no store: a launch let through would fail there, with another error); the check lets the
+    others through."""
+    for name, value in {**_TORCHRUN_AGENT, "GROUP_WORLD_SIZE": nodes, "TORCHELASTIC_MAX_RESTARTS": restarts,
+                        "TORCHELASTIC_USE_AGENT_STORE": shared_store}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    if refused:
+        with pytest.raises(DistributedStateError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+            initialize_distributed(timeout_s=1)
+    else:
+        from nemo_wrap.distributed import env
+
+        env._require_restartable_launch()  # passes: the launch's restarts can work

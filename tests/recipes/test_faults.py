@@ -17,6 +17,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -292,6 +293,44 @@ def test_a_killed_rank_restarts_the_group_which_goes_on_with_the_uninterrupted_l
     records = [json.loads(line) for line in (output / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records].count(4) == 2  # steps 4 and 5 ran twice: once before the kill
     _assert_same_losses(output, uninterrupted)
+
+
+def _two_agents(hook: Path, output: Path, cwd: Path, **env: str) -> list[Job]:
+    """Two torchrun agents on this machine as two nodes of 2 ranks (c10d rendezvous), restarting
+    once, with a store of each attempt (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``: see
+    ``nemo_wrap.distributed.env._require_restartable_launch``)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-agents",
+               "--max-restarts", "1", str(hook / "fault_hook.py"), *JOB, "--output-dir", str(output),
+               "--resume", "auto"]  # fmt: skip
+    environment = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", **env}
+    return [Job([*command[:5], "--node-rank", str(node), *command[5:]], cwd, **environment) for node in (0, 1)]
+
+
+def _finish_all(jobs: list[Job]) -> None:
+    try:
+        statuses = [job.finish() for job in jobs]
+        assert statuses == [0, 0], "\n".join(job.text()[-3000:] for job in jobs)
+    finally:
+        for job in jobs:
+            if job.process.poll() is None:
+                job.kill_everything()
+    for job in jobs:
+        job.assert_nothing_left()
+
+
+def test_a_rank_killed_on_the_second_node_restarts_both_nodes_on_the_uninterrupted_losses(cache, hook, tmp_path):
+    plain, killed = tmp_path / "plain", tmp_path / "killed"
+    _finish_all(_two_agents(hook, plain, tmp_path))
+    jobs = _two_agents(hook, killed, tmp_path, FAULT_SIGNAL="2:5:SIGKILL")  # rank 2: node 1's first rank
+    _finish_all(jobs)
+    assert f"resumed from {killed / 'checkpoint-3'} at step 3" in jobs[0].text()
+    records = [json.loads(line) for line in (killed / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records].count(4) == 2  # steps 4 and 5 ran twice: once before the kill
+    _assert_same_losses(killed, _step_losses(plain))
 
 
 def test_sigterm_to_one_rank_stops_every_rank_after_one_step_with_a_checkpoint_to_resume(uninterrupted, hook, tmp_path):
