@@ -9,18 +9,22 @@ A tracker that fails once it is open (a full disk under its directory, a lost ML
 crashed ``wandb-core``) is dropped: closed as well as it can be, with one warning naming it and the
 error, and the run goes on. Raising would stop the writer rank alone, and the other ranks would
 wait for it at their next collective until the timeout; the metrics are not lost either, since
-``metrics.jsonl`` keeps every step. Failing to *open* a tracker stays fatal, on every rank together
+``metrics.jsonl`` keeps every step. The same holds for ``metrics.jsonl`` itself: a write that fails
+(a full disk) ends the file with one warning naming it and the step, and the run goes on (every
+rank's ``records`` and the trackers still hold the steps; a full disk fails the next checkpoint
+save on every rank anyway). Failing to *open* a tracker stays fatal, on every rank together
 (the caller opens the log through :meth:`RankGroup.on_every_rank`): that is a setup error to fix
 before training, not a fault of a running job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from nemo_wrap.recipes.trackers import REPORT_TO_NAMES, Tracker, open_tracker, parse_report_to, require_packages
 
@@ -57,7 +61,7 @@ class MetricsLog:
             return
         self.directory = Path(str(directory))
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.directory / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 (closed in close)
+        self._jsonl: TextIO | None = open(self.directory / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 (closed in close)
         config = _plain(run_config or {})
         try:
             for name in names:
@@ -71,8 +75,7 @@ class MetricsLog:
         self.records.append(record)
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        self._append(record)
         if values:
             for name, tracker in list(self._trackers.items()):
                 try:
@@ -80,6 +83,21 @@ class MetricsLog:
                 except Exception as error:  # a tracker's fault must not stop the writer rank alone
                     del self._trackers[name]
                     _close_quietly(name, tracker, f"failed at step {step} ({type(error).__name__}: {error})")
+
+    def _append(self, record: dict[str, Any]) -> None:
+        """One line of ``metrics.jsonl``; a failed write ends the file with a warning (see the module)."""
+        if self._jsonl is None:
+            return
+        try:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        except OSError as error:
+            jsonl, self._jsonl = self._jsonl, None
+            logger.warning(
+                "%s: writing step %d failed (%s): the file ends before it; training goes on, the trackers "
+                "still get the metrics", jsonl.name, record["step"], error,
+            )  # fmt: skip
+            _close_file_quietly(jsonl)
 
     def close(self) -> None:
         """Close the file and end every tracker's run; a tracker that fails to close is reported
@@ -93,7 +111,8 @@ class MetricsLog:
                 tracker.close()
             except Exception as error:
                 logger.warning("tracker %s: failed to close (%s: %s)", name, type(error).__name__, error)
-        self._jsonl.close()
+        if self._jsonl is not None:
+            _close_file_quietly(self._jsonl)
 
     @property
     def trackers(self) -> tuple[str, ...]:
@@ -115,3 +134,10 @@ def _plain(config: Mapping[str, Any]) -> dict[str, Any]:
     """``config`` as JSON types only (paths and other objects as strings, tuples as lists), so every
     tracker records the same values and none chokes on a type it cannot serialize."""
     return dict(json.loads(json.dumps(config, default=str)))
+
+
+def _close_file_quietly(file: TextIO) -> None:
+    """Close ``file``. Each line is flushed as it is logged, so only a line whose write already
+    failed (and was warned about) can be left to fail again here."""
+    with contextlib.suppress(OSError):
+        file.close()

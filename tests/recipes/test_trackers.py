@@ -278,6 +278,24 @@ def test_a_tracker_failing_mid_run_is_closed_with_one_warning_and_the_run_goes_o
 
 
 @pytest.mark.usefixtures("tracker_env")
+def test_metrics_jsonl_on_a_full_disk_ends_with_one_warning_and_the_run_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``metrics.jsonl`` is /dev/full (every write fails with ENOSPC, as on a full disk): one
+    warning naming the file and the first step, and TensorBoard still gets every step."""
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    with caplog.at_level("WARNING", logger="nemo_wrap"):
+        log = MetricsLog(tmp_path, is_writer=True, report_to=["tensorboard"], run_name="full")
+        for step in range(1, 6):
+            log.log(step, loss=1.0 / step)
+        log.close()
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith(f"{tmp_path / 'metrics.jsonl'}: writing step 1 failed (") and "No space" in warning
+    assert [r["step"] for r in log.records] == [1, 2, 3, 4, 5]
+    assert sorted(_tensorboard_series(tmp_path)["loss"]) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.usefixtures("tracker_env")
 def test_wandb_dir_is_honoured_when_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     elsewhere = tmp_path / "wandb_home"
     elsewhere.mkdir()
