@@ -51,11 +51,14 @@ from nemo_wrap.checkpoint.compatibility import require_fit
 from nemo_wrap.checkpoint.digest import DigestingWriter, Digests
 from nemo_wrap.checkpoint.manifest import METADATA, Layout, checkpoint_layout, verify_contents, write_manifest
 from nemo_wrap.distributed.collectives import RankGroup, is_multi_rank
+from nemo_wrap.distributed.env import peers_must_answer
 from nemo_wrap.errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
     CorruptCheckpointError,
     DistributedStateError,
+    PeerLostError,
+    PeerTimeoutError,
 )
 
 _ERROR_CHARS = 2000  # DCP's exception lists every rank's traceback: enough of it to see the cause
@@ -130,14 +133,16 @@ class PendingSave:
     def finish(self) -> None:
         """Wait for this rank's write, then put the checkpoint at ``target`` (every rank calls it).
 
-        Raises :class:`CheckpointSaveError` on every rank if any rank's write failed; the staging
-        directory is then removed and what was at ``target`` stays in place.
+        Raises :class:`CheckpointSaveError` on every rank if any rank's write failed, and
+        :class:`PeerLostError` (or :class:`PeerTimeoutError`) if a rank vanished (or hung) meanwhile;
+        the staging directory is then removed and what was at ``target`` stays in place.
         """
         try:
-            self.group.on_every_rank("writing the sharded state", self._wait_for_write)
-            seal = partial(_seal_and_move, self.staged, self.target, self.writer.job_digests(self.group))
-            self.group.on_rank_zero("moving the checkpoint into place", seal, self._failure)
-        except CheckpointSaveError:
+            with peers_must_answer(f"finishing the background save of step {self.step}"):  # a dead peer is named
+                self.group.on_every_rank("writing the sharded state", self._wait_for_write)
+                seal = partial(_seal_and_move, self.staged, self.target, self.writer.job_digests(self.group))
+                self.group.on_rank_zero("moving the checkpoint into place", seal, self._failure)
+        except (CheckpointSaveError, PeerLostError, PeerTimeoutError):
             self._discard()
             raise
         except Exception as error:  # another rank's failure, or this rank's own

@@ -78,12 +78,16 @@ def install():
 
 def signal_during(phase, signum):
     """Send ``signum`` to this rank once, as ``phase`` starts: the model's load, a step, an
-    evaluation, a periodic checkpoint, or the final save (right after the closing evaluation)."""
+    evaluation, a periodic checkpoint, the final save (right after the closing evaluation), or the
+    end of a background save (``--async-save``)."""
     from nemo_wrap.checkpoint.rotation import CheckpointRotation
     from nemo_wrap.recipes import sft
 
+    from nemo_wrap.checkpoint.resume import PendingSave
+
     owner, name = {"load": (sft, "_load_model"), "step": (sft, "train_step"), "eval": (sft, "evaluate"),
-                   "save": (CheckpointRotation, "save"), "final": (sft, "_train_and_evaluate")}[phase]  # fmt: skip
+                   "save": (CheckpointRotation, "save"), "final": (sft, "_train_and_evaluate"),
+                   "finish": (PendingSave, "finish")}[phase]  # fmt: skip
     real, sent = getattr(owner, name), []
 
     def hit(*args, **kwargs):
@@ -427,10 +431,11 @@ def test_sigterm_after_the_last_step_finishes_the_final_save_and_a_rerun_trains_
 @pytest.mark.parametrize(
     ("phase", "doing"),
     [("load", "loading the model"), ("step", "training step 1"), ("eval", f"the evaluation after step {EVAL_EVERY}"),
-     ("save", "the checkpoint of step 3"), ("final", "the final save")],
+     ("save", "the checkpoint of step 3"), ("final", "the final save"),
+     ("finish", "finishing the background save of step 3")],
 )  # fmt: skip
 def test_a_dead_peer_is_named_by_every_survivor_with_what_it_was_doing(phase, doing, cache, hook, eval_data, tmp_path):
-    extra = ["--eval-data", str(eval_data), "--eval-every", str(EVAL_EVERY)]
+    extra = ["--eval-data", str(eval_data), "--eval-every", str(EVAL_EVERY), *(["--async-save"] * (phase == "finish"))]
     status, job = _interrupted(hook, tmp_path / "out", tmp_path, f"1:{phase}:SIGKILL", *extra)
     assert status != 0 and "EXIT 0 2" in job.text(), job.text()[-4000:]
     _, said = job.wait_for(lambda line: line.startswith("nemo-wrap: error: rank 0 of 2"), timeout=0)
