@@ -141,7 +141,7 @@ def _run(
     with peers_must_answer("preparing the run"):
         if _already_complete(config, total, say):
             return []
-        _stop_before_training(stop, "reading the data", None)
+        _stop_before_training(stop, "reading the data", None, 0)
     with peers_must_answer("loading the model"):
         model = _load_model(model_path, setup, config, say)
         job = _job(model, setup, config, batches, eval_rows)
@@ -151,7 +151,7 @@ def _run(
         )
         try:
             start, resume = _resume(job, config, say)
-            _stop_before_training(stop, "loading the model", resume)
+            _stop_before_training(stop, "loading the model", resume, start)
             clear_completion(config.output_dir)
         except BaseException:  # the trackers' runs end, as after the steps
             job.log.close()
@@ -205,16 +205,17 @@ def _total_steps(config: SFTConfig, batches: DataParallelBatches) -> int:
     return TEXT_STEPS if is_text_data(config.data.train) else config.training.epochs * batches.steps_per_epoch
 
 
-def _stop_before_training(stop: StopRequest, phase: str, resume: Path | None) -> None:
+def _stop_before_training(stop: StopRequest, phase: str, resume: Path | None, step: int) -> None:
     """Before the first step nothing is lost by stopping: if any rank was asked to, every rank
-    raises :class:`PreemptedError` at once (collective: every rank calls it at the same point)."""
+    raises :class:`PreemptedError` at once (collective: every rank calls it at the same point),
+    naming ``step``, the step the resumed checkpoint holds (0 without one)."""
     if not stop.agreed():
         return
     kept = f"the checkpoint resumed from, {resume}, is still the newest" if resume else "nothing was trained"
     raise PreemptedError(
         f"stopped by SIGTERM before the first step (after {phase}): {kept} and nothing was saved; "
         f"run the same command with --resume auto to start again",
-        0,
+        step,
         str(resume or ""),
     )
 
