@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag overrides the ``--config`` file only when given.
     """
     parser = argparse.ArgumentParser(prog="nemo-wrap", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True)
     for name in _COMMANDS:
         # no abbreviations: --nproc must be spelled out to be removed before re-launching
@@ -104,6 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
             _add_memory_flags(sub)
         _add_recipe_flags(sub, _COMMAND_SECTIONS[name])
     return parser
+
+
+def _version() -> str:
+    """This package's version and the two it is tested against, as a bug report needs them."""
+    import torch
+    import transformers
+
+    from nemo_wrap import __version__
+
+    return f"nemo-wrap {__version__} (torch {torch.__version__}, transformers {transformers.__version__})"
 
 
 def _add_memory_flags(parser: argparse.ArgumentParser) -> None:
@@ -170,6 +181,13 @@ def _launched_world_size() -> int | None:
     """The world size torchrun exported, or ``None`` when this process was not launched by it."""
     value = os.environ.get("WORLD_SIZE")
     return None if value is None else int(value)
+
+
+def _say_the_launcher_wins(nproc: int, launched: int) -> None:
+    """Under torchrun the launcher's world runs the job: a recipe written for another size (its
+    ``nproc``) is not an error, since the same recipe serves a laptop and a cluster. Rank 0 says so once."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"nemo-wrap: the recipe's nproc {nproc} is set aside: torchrun started {launched} rank(s)")
 
 
 def _without_nproc(argv: Sequence[str]) -> list[str]:
@@ -361,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``nemo-wrap`` and ``python -m nemo_wrap.cli``; returns the exit status."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in (*_COMMANDS, "-h", "--help"):
+    if not argv or argv[0] not in (*_COMMANDS, "-h", "--help", "--version"):
         argv = ["finetune", *argv]  # the main job is the default command
     args = parser.parse_args(argv)
     try:
@@ -376,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 model_path(recipe)  # build the default once, before the ranks start
                 return _relaunch(argv, recipe)
             if launched is not None and launched != nproc:
-                raise InvalidSetupError(f"nproc {nproc} differs from torchrun's world size {launched}")
+                _say_the_launcher_wins(nproc, launched)
         if args.command == "plan":
             return _run_plan(recipe, args)
         return _RUNNERS[args.command](recipe)

@@ -90,7 +90,9 @@ class DistributedSection(Checked):
     """How the job is laid out over ranks (``DistributedSetup.build``'s arguments) and how many."""
 
     strategy: str = option("fsdp2", f"{' | '.join(strategy_names())}", "--strategy", _one_of(*strategy_names()))
-    nproc: int | None = option(None, "local ranks to launch through torchrun (not with torchrun)", "--nproc", _positive)
+    nproc: int | None = option(
+        None, "local ranks to launch through torchrun (under torchrun, its ranks instead)", "--nproc", _positive
+    )
     tp_size: int = option(1, "tensor-parallel degree", "--tp-size", _positive)
     sequence_parallel: bool = option(
         False,

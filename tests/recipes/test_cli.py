@@ -82,6 +82,16 @@ def test_finetune_on_two_ranks_through_nproc(cache, tmp_path):
     _assert_loads_with_plain_transformers(output)
 
 
+def test_version_names_the_package_torch_and_transformers(capsys):
+    import transformers
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    expected = f"nemo-wrap 0.1.0 (torch {torch.__version__}, transformers {transformers.__version__})"
+    assert capsys.readouterr().out.strip() == expected
+
+
 def test_plan_describes_a_job_without_launching_it(cache, capsys):
     assert main(["plan", "--nproc", "4", "--tp-size", "2"]) == 0
     out = capsys.readouterr().out
