@@ -281,10 +281,10 @@ def _latest_step(output: Path) -> int:
 
 @pytest.fixture(scope="module")
 def uninterrupted(cache, hook, tmp_path_factory) -> dict[int, float]:
-    """Each step's loss in a 2-rank run of ``JOB`` that nothing interrupts (its ``--nproc 4``, a
+    """Each step's loss in a 2-rank run of ``JOB`` that nothing interrupts (its ``nproc`` of 4, a
     recipe written for another world, set aside for torchrun's, said once)."""
     output = tmp_path_factory.mktemp("uninterrupted") / "out"
-    job = _run(_torchrun(hook, output, "--nproc", "4"), output.parent)  # a recipe for 4 ranks: torchrun's 2 win
+    job = _run(_torchrun(hook, output, "--distributed.nproc", "4"), output.parent)  # a recipe for 4 ranks
     assert job.text().count("the recipe's nproc 4 is set aside: torchrun started 2 rank(s)") == 1
     losses = _step_losses(output)
     assert sorted(losses) == list(range(1, STEPS + 1))
