@@ -93,10 +93,8 @@ class MetricsLog:
             self._jsonl.flush()
         except OSError as error:
             jsonl, self._jsonl = self._jsonl, None
-            logger.warning(
-                "%s: writing step %d failed (%s): the file ends before it; training goes on, the trackers "
-                "still get the metrics", jsonl.name, record["step"], error,
-            )  # fmt: skip
+            what_follows = "the file ends before it; training goes on, the trackers still get the metrics"
+            logger.warning("%s: writing step %d failed (%s): %s", jsonl.name, record["step"], error, what_follows)
             _close_file_quietly(jsonl)
 
     def close(self) -> None:
