@@ -2,9 +2,8 @@
 
 Each benchmark's latest table is kept in ``benchmarks/results/NAME.md`` with the date and machine
 it was measured on; ``RESULTS.md`` is all of them in suite order. ``--only load training_step ...``
-re-runs some (names below) and keeps the others' latest tables; ``--readme`` also puts
-``RESULTS.md`` into the README's "Measured performance" section, between its
-``benchmarks:start`` / ``benchmarks:end`` marks.
+re-runs some (names below) and keeps the others' latest tables. The documentation site's
+benchmarks page includes ``RESULTS.md`` as it is.
 Each benchmark runs its measurements in fresh processes; the whole suite takes about 35 minutes
 on a 2-core machine (the three QLoRA tables about 14 of them), plus about 12 for ``peer``, 3 for
 ``verify``, 5 for ``default_precision``, 15 for ``published_layouts`` and hours for
@@ -17,7 +16,6 @@ import argparse
 import datetime
 import os
 import platform
-import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -93,7 +91,6 @@ def machine() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=list(SUITE), default=list(SUITE))
-    parser.add_argument("--readme", action="store_true", help="also update the README's measured-performance tables")
     args = parser.parse_args()
     results = ROOT / "benchmarks" / "results"
     results.mkdir(exist_ok=True)
@@ -104,10 +101,6 @@ def main() -> None:
     kept = [results / f"{name}.md" for name in SUITE if (results / f"{name}.md").exists()]
     report = "\n".join(path.read_text() + "\n" for path in kept).rstrip() + "\n"
     (ROOT / "benchmarks" / "RESULTS.md").write_text(f"# Benchmark results\n\n{report}")
-    if args.readme:
-        readme = ROOT / "README.md"
-        pattern = re.compile(r"(<!-- benchmarks:start -->\n).*?(<!-- benchmarks:end -->)", re.DOTALL)
-        readme.write_text(pattern.sub(lambda match: match.group(1) + report + match.group(2), readme.read_text()))
 
 
 if __name__ == "__main__":

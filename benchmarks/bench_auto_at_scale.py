@@ -79,8 +79,8 @@ def table() -> Table:
     result.note = (
         "`choose_layout` on the model's config with the published job (rows per step over all data-parallel ranks, "
         "tokens, precision, LoRA) and machine (nodes of 8 GPUs of the named memory, 80 GiB where none is named), "
-        "budget 90% of it. Step overhead: the cost model's communication and recomputation per step (docs/memory.md); "
-        "not the step time. Search s: seconds on this machine, every dry run included."
+        "budget 90% of it. Step overhead: the cost model's communication and recomputation per step "
+        "(docs/how-to/memory.md); not the step time. Search s: seconds on this machine, every dry run included."
     )
     return result
 

@@ -430,7 +430,7 @@ def table() -> Table:
         "Precision `bf16-mixed`: fp32 parameters and AdamW state, bf16 compute (torchtitan's default); `bf16`: bf16 "
         "parameters and state (Automodel's `torch_dtype: bfloat16` with Adam). Deep models and pipeline stages are "
         "dry-run at depths 4 and 5 and extrapolated, long 1F1B steps at P + 1 and P + 2 micro-batches "
-        "(docs/memory.md). Tensor parallel is nemo_wrap's, with sequence parallel where the "
+        "(docs/how-to/memory.md). Tensor parallel is nemo_wrap's, with sequence parallel where the "
         "source turns it on (torchtitan always; Automodel's `sequence_parallel: true`), except beside pipeline "
         "stages, where nemo_wrap refuses it: there the layer inputs that checkpointing keeps are whole on every "
         "tensor-parallel rank. Pipeline layouts: 1F1B, one stage per rank (the sources run interleaved 1F1B); "

@@ -11,7 +11,7 @@ Faults: ``--timeout SECONDS`` bounds how long a collective waits for a rank that
 (the others then fail with status 2, naming the step); a SIGTERM makes every rank finish its step,
 write a resumable checkpoint and exit with status 75 (``PREEMPTED_EXIT_STATUS``, EX_TEMPFAIL: "try
 again"; before the first step nothing is saved, and after the last one the final save is finished
-and the run exits 0: ``docs/faults.md``); ``--max-restarts N`` (with ``--nproc``) restarts every
+and the run exits 0: ``docs/how-to/faults.md``); ``--max-restarts N`` (with ``--nproc``) restarts every
 rank after one dies. With ``--save-every N --resume auto`` a restarted or rerun job continues from the newest complete
 checkpoint: ``nemo-wrap finetune --nproc 2 --max-restarts 2 --save-every 10 --resume auto``.
 
@@ -33,7 +33,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 from nemo_wrap.checkpoint.manifest import WEIGHTS_MANIFEST, verify_weights
 from nemo_wrap.distributed import destroy_distributed, initialize_distributed
@@ -55,6 +54,7 @@ from nemo_wrap.recipes.config_file import (
     recipe_fields,
     recipe_to_yaml,
 )
+from nemo_wrap.recipes.flags import RecipeHelpFormatter, add_job_group, add_recipe_flags
 from nemo_wrap.recipes.job import (
     RECIPE_FILE,
     distributed_setup,
@@ -78,32 +78,52 @@ _HELPS = {
     "plan": "print the load plan for a checkpoint, and with --memory each rank's predicted memory, reading no weights",
     "report": "load a checkpoint and print where every parameter's values came from",
 }
+_EXAMPLE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# One each, shown by --help; each is a README command (tests/cross_cutting/test_readme.py runs them).
+_EXAMPLES = {
+    "finetune": f"nemo-wrap finetune {_EXAMPLE_MODEL} --data chat.jsonl --lora-r 16 --output-dir smollm2-lora",
+    "plan": f"nemo-wrap plan {_EXAMPLE_MODEL} --nproc 8",
+    "report": f"nemo-wrap report {_EXAMPLE_MODEL}",
+}
+_DESCRIPTION = (
+    "Fine-tune, plan and report on a Hugging Face causal LM: a checkpoint directory, a hub id, or (none "
+    "given) the embedded default. Under torchrun every rank runs the job; --nproc N launches N local ranks."
+)
+_MODEL_HELP = "a checkpoint directory or a hub id (org/name); none: the embedded default"
 _QLORA_RANK = 16
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every command; ``main`` inserts ``finetune`` when no command is given.
 
-    Every recipe key is a flag twice over: its dotted name (``--distributed.tp_size 2``) and, where
-    the CLI had one before recipes, its old name (``--tp-size 2``). Flags default to *unset*, so a
-    flag overrides the ``--config`` file only when given.
+    Every recipe key is a flag (:mod:`nemo_wrap.recipes.flags`), grouped by section in ``--help``.
+    Flags default to *unset*, so a flag overrides the ``--config`` file only when given.
     """
-    parser = argparse.ArgumentParser(prog="nemo-wrap", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="nemo-wrap", description=_DESCRIPTION)
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True)
     for name in _COMMANDS:
         # no abbreviations: --nproc must be spelled out to be removed before re-launching
-        sub = commands.add_parser(name, help=_HELPS[name], description=_HELPS[name], allow_abbrev=False)
-        sub.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the embedded default)")
-        sub.add_argument("--config", default=None, help="a YAML recipe; flags given as well override it")
-        sub.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
+        sub = commands.add_parser(
+            name,
+            help=_HELPS[name],
+            description=_HELPS[name],
+            epilog=f"example:\n  {_EXAMPLES[name]}",
+            usage=f"nemo-wrap {name} [MODEL] [--config FILE] [flags]",
+            formatter_class=RecipeHelpFormatter,
+            allow_abbrev=False,
+        )
+        job = add_job_group(sub)
+        job.add_argument("model", nargs="?", default=None, metavar="MODEL", help=_MODEL_HELP)
+        job.add_argument("--config", default=None, metavar="FILE", help="a YAML recipe; flags given override it")
+        job.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
         if name == "finetune":
-            sub.add_argument(
+            job.add_argument(
                 "--qlora", action="store_true", help=f"--quantization nf4 and --lora-r {_QLORA_RANK} unless set"
             )
         if name == "plan":
-            _add_memory_flags(sub)
-        _add_recipe_flags(sub, _COMMAND_SECTIONS[name])
+            _add_memory_flags(sub.add_argument_group("memory", "what each rank will hold, and a layout that fits"))
+        add_recipe_flags(sub, job, _COMMAND_SECTIONS[name])
     return parser
 
 
@@ -117,7 +137,7 @@ def _version() -> str:
     return f"nemo-wrap {__version__} (torch {torch.__version__}, transformers {transformers.__version__})"
 
 
-def _add_memory_flags(parser: argparse.ArgumentParser) -> None:
+def _add_memory_flags(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument(
         "--memory",
         action="store_true",
@@ -143,19 +163,6 @@ def _add_memory_flags(parser: argparse.ArgumentParser) -> None:
         help=f"share of --device-memory --auto keeps free for what is not counted (default {DEFAULT_MARGIN})",
     )
     parser.add_argument("--json", action="store_true", help='print {"plan": ..., "memory": ...} as JSON')
-
-
-def _add_recipe_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] | None) -> None:
-    for spec in recipe_fields().values():
-        section = spec.key.split(".", 1)[0]
-        if spec.key == "model" or (sections is not None and section not in sections):
-            continue
-        names = [f"--{spec.key}"] + ([spec.flag] if spec.flag and spec.flag != f"--{spec.key}" else [])
-        is_switch = spec.annotation is bool
-        kwargs: dict[str, Any] = {"dest": spec.key, "default": argparse.SUPPRESS, "help": f"{spec.help} ({spec.key})"}
-        if is_switch:  # --pack, or --data.pack false
-            kwargs.update(nargs="?", const="true", metavar="BOOL")
-        parser.add_argument(*names, **kwargs)
 
 
 def _recipe(args: argparse.Namespace) -> Recipe:

@@ -4,6 +4,7 @@
 #   bash scripts/dev.sh test [pytest arguments]     # the static checks, then the whole test suite
 #   bash scripts/dev.sh lint                        # the static checks alone
 #   bash scripts/dev.sh bench [--only NAME ...]     # the benchmark suite (writes benchmarks/RESULTS.md)
+#   bash scripts/dev.sh docs                        # the documentation site, into docs/_build/html
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,10 +40,17 @@ fi
 # with &&: `set -e` does not stop a function called as `lint && ...`, so a failing check would be
 # ignored unless the chain carries its status.
 lint() {
-    "$VENV/bin/ruff" check nemo_wrap benchmarks &&
-        "$VENV/bin/ruff" format --check nemo_wrap benchmarks &&
+    "$VENV/bin/ruff" check nemo_wrap benchmarks docs scripts &&
+        "$VENV/bin/ruff" format --check nemo_wrap benchmarks docs scripts &&
         "$VENV/bin/mypy" nemo_wrap &&
         "$VENV/bin/lint-imports"
+}
+
+# The documentation site. -W: a warning fails the build; -n: so does a reference to a missing
+# object; --keep-going: every warning is reported, not only the first; -E: nothing reused from an
+# earlier build, so a clean checkout and this one build the same pages.
+docs() {
+    "$VENV/bin/python" -m sphinx -W -n --keep-going -E -q -b html docs "${1:-docs/_build/html}"
 }
 
 command="${1:-run}"
@@ -52,5 +60,6 @@ case "$command" in
     lint) lint ;;
     test) lint && exec "$VENV/bin/python" -m pytest "$@" ;;
     bench) exec "$VENV/bin/python" -m benchmarks "$@" ;;
-    *)    echo "usage: bash scripts/dev.sh {run|test|lint|bench} [args...]" >&2; exit 2 ;;
+    docs) docs "$@" ;;
+    *)    echo "usage: bash scripts/dev.sh {run|test|lint|bench|docs} [args...]" >&2; exit 2 ;;
 esac

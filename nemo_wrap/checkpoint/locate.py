@@ -85,8 +85,21 @@ def _from_hub_cache(repo_id: str, group: RankGroup) -> Path:
         except (LocalEntryNotFoundError, HfHubHTTPError, HFValidationError, OSError) as caught:
             error = caught
     if error is not None:
-        raise CheckpointNotFoundError(f"{repo_id}: not a local directory, and the hub cache has no copy ({error})")
+        raise CheckpointNotFoundError(_not_on_the_hub(repo_id, error))
     return Path(cast(str, directory))  # set on every rank that saw no error
+
+
+def _not_on_the_hub(repo_id: str, error: Exception) -> str:
+    """One line: where the copy was looked for, the hub's own reason (its first line), what to do."""
+    from huggingface_hub import constants
+
+    reason = next(iter(str(error).strip().splitlines()), "") or type(error).__name__
+    return (
+        f"{repo_id}: not a local directory, and the hub id cannot be resolved: no complete copy in the "
+        f"Hugging Face cache {constants.HF_HUB_CACHE}, and the hub did not provide one ({reason}); "
+        f"download it where the hub is reachable (`hf download {repo_id}` with the same HF_HOME) or pass "
+        "the checkpoint's directory"
+    )
 
 
 def open_checkpoint(directory: Path, allow_pickle: bool = False) -> Checkpoint:

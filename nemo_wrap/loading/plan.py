@@ -87,7 +87,7 @@ class LossPlan:
 class LoadPlan:
     """What will happen, in order, and why. Pure data: printable without a process group.
 
-    Every sentence it prints is derived from these fields (:func:`render_plan`). ``tp_plan`` is the
+    Every sentence it prints is derived from these fields (``render_plan``). ``tp_plan`` is the
     tensor-parallel plan the shard step applies (``None``: no tensor parallel); its styles compare
     by identity, so it takes no part in comparing plans (the setup and the model class decide it).
     """

@@ -81,7 +81,7 @@ class RankMemory:
 @dataclass(frozen=True)
 class MemoryPrediction:
     """Every simulated rank's peak in one training step of ``shape``. Jobs of more than
-    ``SIMULATED_RANKS_LIMIT`` ranks list the first and the last rank only (see :mod:`.predict`)."""
+    ``SIMULATED_RANKS_LIMIT`` ranks list the first and the last rank only (see :mod:`nemo_wrap.memory.predict`)."""
 
     shape: TrainingShape
     per_rank: tuple[RankMemory, ...]

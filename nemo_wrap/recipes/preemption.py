@@ -21,7 +21,7 @@ worker, milliseconds apart.
 
 The handler is installed for a whole run — from reading its data to the end of its final save — and
 the previous one is restored after: importing nemo_wrap changes no signal disposition. What a
-request costs depends on when it comes (the table in ``docs/faults.md``): before the first step
+request costs depends on when it comes (the table in ``docs/how-to/faults.md``): before the first step
 the run stops at the next phase boundary with nothing to save; during a step, its evaluation or
 its periodic save, that unit is finished and one checkpoint written; after the last step the
 closing evaluation and the final save are finished, and the run is complete.

@@ -7,7 +7,7 @@ into token windows; anything else is a data set of rows. Either way the rows go 
 :class:`DataParallelBatches`, so resuming, evaluation and checkpoints work alike for both. Every
 rank runs it; only the rank that speaks for the job prints, shows the progress bar and logs.
 
-Faults end a run in a known state (``docs/faults.md``). A SIGTERM (a scheduler taking the machines
+Faults end a run in a known state (``docs/how-to/faults.md``). A SIGTERM (a scheduler taking the machines
 back) at any moment from reading the data to the end of the final save stops every rank at the same
 point with every finished step kept (:mod:`.preemption`): before the first step with nothing to
 save, during the loop after the unit under way with a resumable checkpoint, after the last step

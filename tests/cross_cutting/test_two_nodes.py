@@ -14,11 +14,13 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.training import train_step
 from tests.support.batches import local_micro_batches
 from tests.support.checkpoints import write_checkpoint
+from tests.support.launch_lines import torchrun_words
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,3 +67,36 @@ def test_an_agent_whose_peer_node_never_comes_fails_instead_of_hanging(tmp_path)
     output = alone.communicate(timeout=120)[0]
     assert alone.returncode != 0
     assert "Rendezvous" in output or "rendezvous" in output, output[-2000:]
+
+
+SBATCH = ROOT / "docs" / "how-to" / "launch" / "multinode.sbatch"
+PYTORCHJOB = ROOT / "docs" / "how-to" / "launch" / "pytorchjob.yaml"
+
+
+def _as_two_local_agents(words: list[str], port: int) -> list[str]:
+    """The launch line with the site's values replaced by two agents of 2 ranks on this machine."""
+    local = {"--nnodes": "2", "--nproc-per-node": "2", "--rdzv-endpoint": f"127.0.0.1:{port}", "--rdzv-id": "docs-job"}
+    replaced = [local.get(before, word) for before, word in zip(["", *words], words)]
+    return [sys.executable, "-m", "torch.distributed.run", *replaced[1:]]
+
+
+def test_the_slurm_and_kubernetes_launch_lines_agree_and_run_on_two_local_agents(tmp_path):
+    slurm = torchrun_words(SBATCH.read_text())
+    manifest = yaml.safe_load(PYTORCHJOB.read_text())
+    containers = [spec["template"]["spec"]["containers"][0] for spec in manifest["spec"]["pytorchReplicaSpecs"].values()]
+    kubernetes = [torchrun_words(container["args"][0]) for container in containers]
+    assert kubernetes[0] == kubernetes[1]
+    for words in (slurm, kubernetes[0]):
+        assert words[words.index("-m") :] == slurm[slurm.index("-m") :]
+        assert words[1 : words.index("-m") : 2] == slurm[1 : slurm.index("-m") : 2]  # the same launcher options
+    (tmp_path / "recipes").symlink_to(ROOT / "recipes")
+    port = _free_port()
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    command = [*_as_two_local_agents(slurm, port), "--steps", "4"]
+    agents = [subprocess.Popen(command, cwd=tmp_path, env=environment, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
+    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    records = [json.loads(line) for line in (tmp_path / "nemo_wrap_output" / "logs" / "metrics.jsonl").open()]
+    assert [record["step"] for record in records if "loss" in record] == [1, 2, 3, 4]
+    assert (tmp_path / "nemo_wrap_output" / "model.safetensors").is_file()

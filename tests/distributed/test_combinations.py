@@ -1,5 +1,5 @@
 """The combination table: every row is refused where it is met, with its own error, reason and way
-out; and the README's support matrix is the table's."""
+out; and the multi-GPU guide's support matrix is the table's."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from nemo_wrap.errors import UnsupportedSetupError
 from nemo_wrap.training import train_step
 from tests.support.families import family_config
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "multi-gpu.md"
 
 # How a load asks for each feature: (strategy, DistributedSetup.build degrees, plan() keywords).
 LOAD_FEATURES = {
@@ -94,6 +94,6 @@ def test_train_step_refuses_a_load_balancing_loss_it_cannot_build_before_any_col
         train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), [batch])
 
 
-def test_the_readme_support_matrix_is_the_tables():
-    shown = re.search(r"<!-- support-matrix:start -->\n(.*?)\n<!-- support-matrix:end -->", README.read_text(), re.S)
+def test_the_guide_s_support_matrix_is_the_tables():
+    shown = re.search(r"<!-- support-matrix:start -->\n(.*?)\n<!-- support-matrix:end -->", GUIDE.read_text(), re.S)
     assert shown is not None and shown.group(1) == support_matrix()

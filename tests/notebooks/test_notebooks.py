@@ -55,3 +55,18 @@ def test_notebook_runs_top_to_bottom_and_again(path, tmp_path, monkeypatch, shar
                     pytest.fail(f"{path.name}, cell {index} ({source!r}), {run}: {error.ename}: {error.evalue}\n{error}",
                                 pytrace=False)
     assert (tmp_path / OUTPUTS[path.name]).is_file()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
+def test_the_stored_outputs_are_those_of_the_current_cells(path):
+    """The docs show each notebook as stored: every code cell ran, the outputs were made from the
+    cells as they are now (``scripts/execute_notebooks.py`` records a digest of their sources), and
+    the plots are there as PNG images."""
+    from scripts.execute_notebooks import sources_digest
+
+    notebook = nbformat.read(path, as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert all(cell.execution_count is not None for cell in code), "run scripts/execute_notebooks.py"
+    assert notebook.metadata["nemo_wrap"]["sources_sha256"] == sources_digest(notebook), "outputs are stale"
+    assert any("image/png" in output.get("data", {}) for cell in code for output in cell.outputs)
+    assert not [output for cell in code for output in cell.outputs if output.output_type == "error"]

@@ -330,3 +330,39 @@ def test_report_refuses_a_consolidated_save_with_a_flipped_bit(cache, tmp_path, 
     assert refused.value.code == 2
     said = capsys.readouterr().err
     assert f"{weights[-1]}: its contents changed since the save" in said and said.count("\n") == 1, said
+
+
+@pytest.mark.parametrize("command", ["finetune", "plan", "report"])
+def test_help_groups_every_flag_once_by_recipe_section_with_its_default(command, capsys):
+    from nemo_wrap.recipes.config_file import recipe_fields
+    from nemo_wrap.recipes.flags import recipe_sections
+
+    with pytest.raises(SystemExit) as excinfo:
+        main([command, "--help"])
+    assert excinfo.value.code == 0
+    text = capsys.readouterr().out
+    sections = [name for name, _ in recipe_sections()] if command != "report" else ["distributed", "load"]
+    headings = re.findall(r"^(\w+):$", text, re.M)
+    assert headings == ["options", "job", *(["memory"] if command == "plan" else []), *sections, "example"]
+    keys = [key for key in recipe_fields() if key != "model" and (key.split(".")[0] in sections or "." not in key)]
+    for key in keys:
+        assert len(re.findall(rf"--{re.escape(key)}\b(?![._])", text)) == 1, key
+    assert "--tp-size, --distributed.tp_size N" in text and "(default: fsdp2)" in text
+    assert f"  nemo-wrap {command} " in text and "``" not in text
+
+
+def test_a_hub_id_is_resolved_from_the_hub_cache_and_an_absent_one_is_named_offline(cache, tmp_path):
+    from tests.support.hub_cache import plant_in_hub_cache
+
+    plant_in_hub_cache(default_model_path(), tmp_path / "hf", "nemo-wrap-tests/tiny-llama")
+    environment = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "nemo_wrap.cli", "finetune", "--steps", "2", "--output-dir", str(tmp_path / "out")]
+    tuned = subprocess.run([*command, "nemo-wrap-tests/tiny-llama"], env=environment, capture_output=True, text=True)
+    assert tuned.returncode == 0, tuned.stderr
+    assert "loss: first step" in tuned.stdout
+    _assert_loads_with_plain_transformers(tmp_path / "out")
+    absent = subprocess.run([*command, "nemo-wrap-tests/absent"], env=environment, capture_output=True, text=True)
+    assert absent.returncode == 2
+    line = absent.stderr.strip().splitlines()[-1]
+    assert line.startswith("nemo-wrap: error: nemo-wrap-tests/absent: not a local directory") and "hf download" in line
+    assert str(tmp_path / "hf" / "hub") in line
