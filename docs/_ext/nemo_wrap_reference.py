@@ -33,7 +33,7 @@ def api_page() -> str:
     for name in nemo_wrap.__all__:
         value = getattr(nemo_wrap, name)
         if inspect.isclass(value) and issubclass(value, NeMoWrapError):
-            groups["Errors"].append(f".. autoexception:: nemo_wrap.{name}\n   :no-index:")
+            groups["Errors"].append(f".. autoexception:: nemo_wrap.{name}")
         elif inspect.isclass(value):
             groups["Classes"].append(f".. autoclass:: nemo_wrap.{name}")
         elif callable(value):
@@ -44,13 +44,20 @@ def api_page() -> str:
 
 
 def errors_page() -> str:
-    """Every exception class of :mod:`nemo_wrap.errors`, the base first, as the module orders them."""
+    """Every exception class of :mod:`nemo_wrap.errors`, the base first, as the module orders them.
+
+    Those exported by ``nemo_wrap`` are indexed on the API page (as ``nemo_wrap.X``, the name users
+    import), so here they are not indexed a second time."""
+    import nemo_wrap
     from nemo_wrap import errors
 
     classes = [value for value in vars(errors).values() if inspect.isclass(value) and issubclass(value, Exception)]
-    return _rst(
-        [f".. autoexception:: nemo_wrap.errors.{cls.__name__}" for cls in classes if cls.__module__ == errors.__name__]
-    )
+    entries = []
+    for cls in classes:
+        if cls.__module__ == errors.__name__:
+            exported = "\n   :no-index:" if cls.__name__ in nemo_wrap.__all__ else ""
+            entries.append(f".. autoexception:: nemo_wrap.errors.{cls.__name__}{exported}")
+    return _rst(entries)
 
 
 def cli_page() -> str:
