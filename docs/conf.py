@@ -51,3 +51,5 @@ nitpick_ignore_regex = [
 html_theme = "furo"
 html_title = f"nemo_wrap {release}"
 html_static_path: list[str] = []
+# "--nproc" stays two hyphens: the pages quote flags in running text.
+smartquotes = False

@@ -4,9 +4,11 @@ Each line of the README's ``bash`` blocks is found here, and each is run as writ
 directory, by the test named for it — with ``--steps 2`` (and a temporary ``--output-dir``) added
 to the jobs that train, so CI stays short. A hub id is read offline from a private Hugging Face cache
 where SmolLM2-135M-Instruct (converted from the registry's GGUF file) is planted under its hub id.
-Three lines are run elsewhere, and this module checks they are the same lines there:
-``bash scripts/dev.sh test`` is CI itself (``.ci/run``), ``git clone`` is what CI does first, and the
-multi-node ``torchrun`` line is the SLURM script's, which ``tests/cross_cutting/test_two_nodes.py`` runs.
+Some lines are run elsewhere, and this module checks they are the same lines there:
+``bash scripts/dev.sh test`` is CI itself (``.ci/run``), ``git clone`` is what CI does first, the
+multi-node ``torchrun`` line is the SLURM script's, which ``tests/cross_cutting/test_two_nodes.py``
+runs, and two jobs are run by the CLI's and the recipes' tests with overrides (their words are
+checked to be in those tests).
 """
 
 from __future__ import annotations
@@ -42,16 +44,18 @@ def _commands() -> list[str]:
 
 
 # Each README command, and how it is run: "run" (here, as written), "run, shortened" (here, with
-# --steps 2 and a temporary --output-dir), or where else it runs.
+# --steps 2 and a temporary --output-dir), "run, dry" (pip's --dry-run), or where else it runs: a
+# test that runs the same command with overrides, CI itself, or the two-node test.
 HOW = {
     "bash scripts/dev.sh run": "run, shortened",
     "bash scripts/dev.sh test": "CI: .ci/run",
     "git clone <this repository> nemo_wrap && cd nemo_wrap": "CI: a clean clone",
-    'pip install -e .': "run, dry",
     'pip install -e ".[qlora,wandb]"': "run, dry",
-    "nemo-wrap": "run, shortened",
+    "nemo-wrap": "test: tests/recipes/test_cli.py::test_no_command_means_finetune_on_the_default",
     f"nemo-wrap finetune {HUB_ID} --data chat.jsonl --lora-r 16 --output-dir smollm2-lora": "run",
-    "nemo-wrap finetune --config recipes/smollm2_lora_chat.yaml": "run, shortened",
+    "nemo-wrap finetune --config recipes/smollm2_lora_chat.yaml": (
+        "test: tests/recipes/test_recipes.py::test_the_smollm2_chat_recipe_runs_with_two_overrides"
+    ),
     f"nemo-wrap plan {HUB_ID} --nproc 8": "run",
     f"nemo-wrap report {HUB_ID}": "run",
     "torchrun --standalone --nproc-per-node 2 -m nemo_wrap.cli finetune --strategy fsdp2 --tp-size 2": "run, shortened",
@@ -84,6 +88,12 @@ def test_the_example_in_each_command_s_help_is_a_readme_command(capsys):
 
 
 def test_the_commands_run_elsewhere_are_the_same_lines_there():
+    for command, how in HOW.items():
+        if how.startswith("test: "):
+            module, name = how.removeprefix("test: ").split("::")
+            source = (ROOT / module).read_text()
+            body = source[source.index(f"def {name}(") :].split("\ndef ", 1)[0]
+            assert all(word.removeprefix("nemo-wrap") in body for word in command.split()[1:]), command
     assert "bash scripts/dev.sh test" in (ROOT / ".ci" / "run").read_text()
     launch = torchrun_words((ROOT / "docs" / "how-to" / "launch" / "multinode.sbatch").read_text())
     shown = shlex.split(next(command for command, how in HOW.items() if how == "two nodes"))

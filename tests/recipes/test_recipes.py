@@ -169,7 +169,7 @@ def test_the_smollm2_chat_recipe_runs_with_two_overrides(shared_cache, tmp_path,
     argv = [
         "finetune",
         "--config",
-        str(REPO / "recipes" / "smollm2_lora_chat.yaml"),
+        str(REPO / "recipes/smollm2_lora_chat.yaml"),
         "--steps",
         "2",
         "--data.max_length",
