@@ -127,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Each command's own parser in ``parser`` (:func:`build_parser`'s), by name: what its help and
+    the generated CLI reference are made from."""
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    return dict(commands.choices)
+
+
 def _version() -> str:
     """This package's version and the two it is tested against, as a bug report needs them."""
     import torch

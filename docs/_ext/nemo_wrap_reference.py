@@ -62,13 +62,12 @@ def errors_page() -> str:
 
 def cli_page() -> str:
     """Each command's usage, description and example, then its flags by group, as ``--help`` has them."""
-    from nemo_wrap.cli import build_parser
+    from nemo_wrap.cli import build_parser, command_parsers
 
     parser = build_parser()
-    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
     version = "`nemo-wrap --version` prints the package's, torch's and transformers' versions."
     sections = [f"{parser.description}\n\n{version}\n"]
-    for name, command in commands.choices.items():
+    for name, command in command_parsers(parser).items():
         sections.append(_command_section(name, command))
     return "\n".join(sections)
 
@@ -91,22 +90,23 @@ def _command_section(name: str, command: argparse.ArgumentParser) -> str:
 
 
 def _invocation(action: argparse.Action) -> str:
+    from nemo_wrap.recipes.flags import short_name_first
+
     if not action.option_strings:
         return f"`{action.metavar or action.dest.upper()}`"
-    names = sorted(action.option_strings, key=lambda option: ("." in option, option))
+    names = short_name_first(action.option_strings)
     metavar = "" if action.nargs == 0 else f" {action.metavar or action.dest.upper()}"
     return ", ".join(f"`{option}{metavar}`" for option in names)
 
 
 def recipe_page() -> str:
     """Every recipe key by section: its type, default, flag and help, from the schema."""
-    from nemo_wrap.recipes.config_file import recipe_fields
-    from nemo_wrap.recipes.flags import recipe_sections
+    from nemo_wrap.recipes.config_file import recipe_fields, recipe_sections
 
     descriptions = dict(recipe_sections())
     by_section: dict[str, list[Any]] = {"top level": []}
     for spec in recipe_fields().values():
-        section = spec.key.split(".", 1)[0] if "." in spec.key else "top level"
+        section = spec.section or "top level"
         by_section.setdefault(section, []).append(spec)
     lines = []
     for section, specs in by_section.items():
@@ -135,7 +135,7 @@ def _cell(text: str) -> str:
 PAGES = {"api.md": api_page, "errors.md": errors_page, "cli.md": cli_page, "recipe.md": recipe_page}
 
 
-def write_pages(_app: Any = None) -> None:
+def write_pages(_app: Any) -> None:
     """Write every generated page; a page whose text did not change is not touched (no rebuild)."""
     GENERATED.mkdir(parents=True, exist_ok=True)
     for name, page in PAGES.items():

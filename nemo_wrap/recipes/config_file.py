@@ -47,6 +47,11 @@ class FieldSpec:
     flag: str | None
     check: Any
 
+    @property
+    def section(self) -> str | None:
+        """The recipe section the key is in (``distributed``); ``None`` for a top-level key."""
+        return self.key.split(".", 1)[0] if "." in self.key else None
+
 
 def _leaves(cls: type, prefix: str = "") -> Iterator[FieldSpec]:
     hints = typing.get_type_hints(cls)
@@ -64,6 +69,15 @@ def _leaves(cls: type, prefix: str = "") -> Iterator[FieldSpec]:
 def recipe_fields() -> Mapping[str, FieldSpec]:
     """Every settable key of a recipe, in schema order (the schema is fixed: computed once)."""
     return types.MappingProxyType({spec.key: spec for spec in _leaves(Recipe)})
+
+
+def recipe_sections() -> Iterator[tuple[str, str]]:
+    """Each section of a recipe, in schema order, with the first line of its docstring (markup removed)."""
+    hints = typing.get_type_hints(Recipe)
+    for item in dataclasses.fields(Recipe):
+        section = hints[item.name]
+        if dataclasses.is_dataclass(section):
+            yield item.name, (section.__doc__ or "").strip().splitlines()[0].replace("``", "")
 
 
 def read_recipe_file(path: str | Path) -> list[Setting]:

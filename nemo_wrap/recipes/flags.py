@@ -11,14 +11,12 @@ sets the key.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import textwrap
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Any
 
-from nemo_wrap.recipes.config import Recipe
-from nemo_wrap.recipes.config_file import FieldSpec, recipe_fields
+from nemo_wrap.recipes.config_file import FieldSpec, recipe_fields, recipe_sections
 
 # The keys at the top of a recipe (not in a section) and the flags every command has.
 JOB_GROUP = "job"
@@ -33,17 +31,12 @@ class RecipeHelpFormatter(argparse.RawDescriptionHelpFormatter):
         if not action.option_strings or action.nargs == 0:
             return super()._format_action_invocation(action)
         metavar = self._format_args(action, action.dest.upper())  # [BOOL] for a switch
-        names = sorted(action.option_strings, key=lambda name: ("." in name, name))
-        return f"{', '.join(names)} {metavar}"
+        return f"{', '.join(short_name_first(action.option_strings))} {metavar}"
 
 
-def recipe_sections() -> Iterator[tuple[str, str]]:
-    """Each section of a recipe, in schema order, with the first line of its docstring."""
-    hints = typing.get_type_hints(Recipe)
-    for item in dataclasses.fields(Recipe):
-        section = hints[item.name]
-        if dataclasses.is_dataclass(section):
-            yield item.name, (section.__doc__ or "").strip().splitlines()[0].replace("``", "")
+def short_name_first(names: Iterable[str]) -> list[str]:
+    """A flag's names as help shows them: ``--tp-size`` before ``--distributed.tp_size``."""
+    return sorted(names, key=lambda name: ("." in name, name))
 
 
 def add_job_group(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -61,7 +54,7 @@ def add_recipe_flags(
         if sections is None or name in sections:
             groups[name] = parser.add_argument_group(name, textwrap.fill(description, _WIDTH))
     for spec in recipe_fields().values():
-        section = spec.key.split(".", 1)[0] if "." in spec.key else JOB_GROUP
+        section = spec.section or JOB_GROUP
         if spec.key != "model" and section in groups:
             groups[section].add_argument(*_names(spec), **_flag_options(spec))
 

@@ -8,7 +8,6 @@ every recipe key must be there — the lists come from the code, not from the ge
 
 from __future__ import annotations
 
-import argparse
 import html
 import re
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import nemo_wrap
-from nemo_wrap.cli import build_parser
+from nemo_wrap.cli import build_parser, command_parsers
 from nemo_wrap.recipes.config_file import recipe_fields
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,12 +37,9 @@ def _text(page: Path) -> str:
 
 
 def _command_flags() -> dict[str, set[str]]:
-    parser = build_parser()
-    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
     return {
-        name: {option for action in command._actions for option in action.option_strings if option != "-h"}
-        - {"--help"}
-        for name, command in commands.choices.items()
+        name: {option for action in command._actions for option in action.option_strings} - {"-h", "--help"}
+        for name, command in command_parsers(build_parser()).items()
     }
 
 

@@ -335,7 +335,7 @@ def test_report_refuses_a_consolidated_save_with_a_flipped_bit(cache, tmp_path, 
 @pytest.mark.parametrize("command", ["finetune", "plan", "report"])
 def test_help_groups_every_flag_once_by_recipe_section_with_its_default(command, capsys):
     from nemo_wrap.recipes.config_file import recipe_fields
-    from nemo_wrap.recipes.flags import recipe_sections
+    from nemo_wrap.recipes.config_file import recipe_sections
 
     with pytest.raises(SystemExit) as excinfo:
         main([command, "--help"])
