@@ -204,6 +204,12 @@ class ChatDataError(DataError):
     and the line (JSON Lines) or row."""
 
 
+class PreferenceDataError(DataError):
+    """A row of a preference data set is malformed: no chosen/rejected column, a completion that
+    is not one assistant turn, an implicit prompt the two conversations do not share, formats
+    mixed. The message names the file (or data set) and the line (JSON Lines) or row."""
+
+
 class LaunchError(NeMoWrapError, RuntimeError):
     """A job started with ``nemo_wrap.notebook.launch`` failed on a rank (the message carries that
     rank's traceback), ran past its ``timeout``, or was given an invalid ``nproc``."""

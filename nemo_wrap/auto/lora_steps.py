@@ -7,12 +7,15 @@ LoRA; the pipeline calls these when its plan has adapters.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from peft import LoraConfig
 from transformers import PreTrainedModel
 
 from nemo_wrap.checkpoint.locate import Checkpoint
 from nemo_wrap.checkpoint.safetensors_file import BlockReader
+from nemo_wrap.errors import UnsupportedLoraOptionError
+from nemo_wrap.loading.model_state import HasModelState
 from nemo_wrap.loading.provenance import Initialized, Missing, Provenance
 from nemo_wrap.loading.read import read_into_model
 from nemo_wrap.models.lora import (
@@ -23,7 +26,13 @@ from nemo_wrap.models.lora import (
     is_lora_parameter,
     lora_settings,
 )
-from nemo_wrap.models.lora.modules_to_save import modules_to_save_keys, unfreeze
+from nemo_wrap.models.lora.modules_to_save import (
+    fill_untied_copies,
+    modules_to_save_keys,
+    unfreeze,
+    untie_modules_to_save,
+)
+from nemo_wrap.models.lora.settings import LoraSettings
 from nemo_wrap.models.lora.state_dict import AdapterFileAdapter, adapter_file_keys
 from nemo_wrap.models.registry import ModelSource
 
@@ -41,7 +50,8 @@ class LoraRequest:
 
 def add_adapters(model: PreTrainedModel, source: ModelSource, request: LoraRequest, base_name: str) -> LoraConfig:
     """Attach the adapters ``request`` asks for (on meta, before sharding) and freeze the base but
-    the modules to save; return their config as PEFT saves it (``"all-linear"`` spelt out).
+    the modules to save (a tied one untied first, as PEFT does without ``ensure_weight_tying``);
+    return their config as PEFT saves it (``"all-linear"`` spelt out).
 
     Our fused classes are matched through their state-dict adapter (which rows are which
     transformers projection); transformers' own classes by their module names as they are.
@@ -50,10 +60,30 @@ def add_adapters(model: PreTrainedModel, source: ModelSource, request: LoraReque
     resolved, targets = find_lora_targets(model, request.config, base_adapter)
     settings = lora_settings(request.config)
     add_lora(model, targets, settings)
+    _refuse_untying_across_stages(model, settings)
+    cast(HasModelState, model).nemo_state.untied = untie_modules_to_save(model, settings)
     unfreeze(model, modules_to_save_keys(model, settings, source.spec.adapter(model)))
     resolved.base_model_name_or_path = resolved.base_model_name_or_path or base_name
     resolved.inference_mode = False
     return resolved
+
+
+def _refuse_untying_across_stages(model: PreTrainedModel, settings: LoraSettings) -> None:
+    """Under pipeline parallelism a tied embedding is one tensor held by the first and the last
+    stage, which sum their gradients for it; PEFT's untied copy of one end is not implemented
+    there. Decided from module names, which every stage has (a stage's stand-ins keep them), so
+    every stage raises alike."""
+    pipeline = cast(HasModelState, model).nemo_state.pipeline
+    if pipeline is None or pipeline.tie_group is None or settings.ensure_weight_tying:
+        return
+    ends = {name.rpartition(".")[0] for pair in (model._tied_weights_keys or {}).items() for name in pair}
+    named = sorted(end for end in ends if any(end.endswith(entry) for entry in settings.modules_to_save))
+    if named:
+        raise UnsupportedLoraOptionError(
+            f"modules_to_save names {named}, an end of the tied embedding, without ensure_weight_tying: PEFT would "
+            "train an untied copy, which pipeline stages (that hold the tied tensor on the first and the last stage) "
+            "do not implement. Pass ensure_weight_tying=True to train the tied weight as one tensor"
+        )
 
 
 def expose_projections_to_peft(model: PreTrainedModel, source: ModelSource) -> None:
@@ -87,3 +117,12 @@ def new_adapter_provenance(provenance: dict[str, Provenance], names: list[str]) 
         if is_lora_parameter(name) and (provenance.get(name) is None or isinstance(provenance[name], Missing)):
             rule = NEW_MAGNITUDE_RULE if name.endswith(".lora_magnitude") else NEW_ADAPTER_RULE
             provenance[name] = Initialized(rule, "a new LoRA adapter (peft_config)")
+
+
+def start_untied_copies(model: PreTrainedModel, provenance: dict[str, Provenance], loaded: set[str]) -> None:
+    """An untied copy (``modules_to_save`` of a tied module) that no file filled starts as its
+    source, as PEFT's copy does: after initialization, when the source holds its values."""
+    untied = cast(HasModelState, model).nemo_state.untied
+    for name in fill_untied_copies(model, untied, loaded):
+        why = "absent from every file read; PEFT's modules_to_save copy starts as the tied module it copies"
+        provenance[name] = Initialized(f"a copy of {untied[name]}", why)

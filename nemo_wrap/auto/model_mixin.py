@@ -60,9 +60,12 @@ class ShardedModelMixin:
         return self.nemo_state.load_report
 
     def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
-        """transformers' ties, less those a pipeline stage holds only one end of (a middle stage
-        holds neither the embedding nor the head; tying them there would look for modules it lacks)."""
+        """transformers' ties, less those LoRA's ``modules_to_save`` undid (PEFT's untied copy, which
+        ``tie_weights`` must not tie back), and those a pipeline stage holds only one end of (a middle
+        stage holds neither the embedding nor the head; tying them there would look for modules it lacks)."""
         tied = super().get_expanded_tied_weights_keys(all_submodels)  # type: ignore[misc]
+        untied = self.nemo_state.untied
+        tied = {t: s for t, s in tied.items() if untied.get(t) != s and untied.get(s) != t}  # either direction
         return tied if self.nemo_state.pipeline is None else held_tied_weights(self, tied)  # type: ignore[arg-type]
 
     def state_dict_adapter(self) -> StateDictAdapter:
@@ -132,6 +135,12 @@ class ShardedModelMixin:
             save_peft_adapter(adapter_tensors, config, save_directory, group, self.nemo_state.pipeline)
             return
         _refuse_unmergeable_bias(self)
+        if self.nemo_state.untied:  # a merged checkpoint of it would be an untied model under a tied config
+            raise UnsupportedSaveOptionError(
+                f"save_pretrained(merge_adapters=True): modules_to_save trained an untied copy of the tied "
+                f"{sorted(self.nemo_state.untied)}, which nemo_wrap does not write merged; save the adapter "
+                "(merge_adapters=False) and merge it with PEFT's merge_and_unload, or use ensure_weight_tying=True"
+            )
         if self.nemo_state.pipeline is not None:
             raise UnsupportedSaveOptionError(
                 "save_pretrained(merge_adapters=True) on a pipeline stage: merging needs every layer's base "

@@ -28,6 +28,7 @@ from nemo_wrap.auto.lora_steps import (
     expose_projections_to_peft,
     new_adapter_provenance,
     read_adapter_file,
+    start_untied_copies,
 )
 from nemo_wrap.auto.model_mixin import no_cache_while_training
 from nemo_wrap.checkpoint.locate import Checkpoint
@@ -227,7 +228,7 @@ class LoadPipeline:
     def read_checkpoint(self, checkpoint: Checkpoint, state: LoadState) -> None:
         model = state.model
         adapter = self.source.spec.adapter(model, checkpoint_shapes(checkpoint))
-        adapter = adapter if self.lora is None else BaseWeightsAdapter(adapter)
+        adapter = adapter if self.lora is None else BaseWeightsAdapter(adapter, model.nemo_state.untied)
         same_tensors = self.same_tensors_group(model)
 
         def read() -> tuple[dict[str, Provenance], set[str], int, dict[str, int]]:
@@ -264,6 +265,7 @@ class LoadPipeline:
         model, provenance = state.model, state.provenance
         loaded = _tensor_names(model, [n for n, p in provenance.items() if isinstance(p, (Loaded, Tied))])
         model.initialize_weights(loaded_names=loaded, seed=agree_on_seed(self.options.seed, self.setup))
+        start_untied_copies(model, provenance, loaded)
         rule = f"{type(model).__mro__[0].__name__}._init_weights (seeded, shard-aware)"
         allowed_missing = getattr(model, "_keys_to_ignore_on_load_missing", None)
         distinct, tied = checkpoint_tensors(model)

@@ -42,7 +42,7 @@ def label_conversation(tokenizer: Any, messages: Sequence[Message], last_turn_on
         raise ChatTemplateError(f"{type(tokenizer).__name__} has no chat template; conversations need one")
     if _GENERATION_TAG.search(tokenizer.chat_template):
         return _label_generation_mask(tokenizer, messages, last_turn_only)
-    text = _render(tokenizer, messages, generation_prompt=False)
+    text = render_chat(tokenizer, messages, generation_prompt=False)
     spans = _assistant_spans(tokenizer, messages, text)
     if last_turn_only:
         spans = spans[-1:]
@@ -86,7 +86,7 @@ def _label_generation_mask(tokenizer: Any, messages: Sequence[Message], last_tur
     return LabelledExample(tuple(ids), tuple(labels))
 
 
-def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool) -> str:
+def render_chat(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool) -> str:
     try:
         return str(
             tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
@@ -101,8 +101,8 @@ def _assistant_spans(tokenizer: Any, messages: Sequence[Message], text: str) -> 
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:index], generation_prompt=True) if index else ""
-        through = _render(tokenizer, messages[: index + 1], generation_prompt=False)
+        before = render_chat(tokenizer, messages[:index], generation_prompt=True) if index else ""
+        through = render_chat(tokenizer, messages[: index + 1], generation_prompt=False)
         if not (text.startswith(through) and through.startswith(before)):
             raise ChatTemplateError(
                 f"the chat template is not prefix-consistent at message {index}: rendering the conversation "

@@ -48,7 +48,7 @@ def load_rows(
 
     ``columns`` maps our column names to the data's (``{"prompt": "question"}``).
     """
-    table, locations = _load_table(source, split)
+    table, locations = load_table(source, split)
     columns = dict(columns or {})
     chosen = _choose_format(str(source), format, table.column_names, columns)
     wanted = {ours: columns.get(ours, ours) for ours in FORMATS[chosen]}
@@ -66,7 +66,7 @@ def load_rows(
     return result
 
 
-def _load_table(source: str | Path, split: str) -> tuple[Any, list[str]]:
+def load_table(source: str | Path, split: str = "train") -> tuple[Any, list[str]]:
     """The rows of ``source`` (with ``column_names``) and where each is, for error messages: a JSON
     Lines file by line (:mod:`.jsonl`), anything else by row."""
     path = Path(source).expanduser()
@@ -128,6 +128,15 @@ def _problem(format: str, row: dict[str, Any]) -> str | None:
 
 
 def _conversation_problem(messages: object) -> str | None:
+    problem = messages_problem(messages)
+    if problem is None and not any(message["role"] == "assistant" for message in messages):  # type: ignore[attr-defined]
+        return "no assistant turn: nothing to learn"
+    return problem
+
+
+def messages_problem(messages: object) -> str | None:
+    """What is wrong with a list of ``{role, content}`` turns, or None: it must be non-empty, each
+    turn a known role with string content, no assistant turn empty."""
     if not isinstance(messages, list) or not messages:
         return "messages must be a non-empty list of {role, content} turns"
     for turn, message in enumerate(messages):
@@ -137,6 +146,4 @@ def _conversation_problem(messages: object) -> str | None:
             return f"turn {turn} has role {message.get('role')!r}; roles are {list(_ROLES)}"
         if message["role"] == "assistant" and not message["content"].strip():
             return f"turn {turn} is an empty assistant turn"
-    if not any(message["role"] == "assistant" for message in messages):
-        return "no assistant turn: nothing to learn"
     return None

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nemo_wrap.default_model.cache import default_model_path
-from nemo_wrap.default_model.recipe import bundled_chat_set, bundled_corpus
+from nemo_wrap.default_model.recipe import bundled_chat_set, bundled_corpus, bundled_preference_set
 from nemo_wrap.default_model.smollm2 import smollm2_instruct_path
 from nemo_wrap.errors import CheckpointNotFoundError
 
@@ -23,6 +23,8 @@ _BUNDLED: dict[str, Callable[[], Path]] = {
     "corpus": bundled_corpus,
     "quack-chat-train": lambda: bundled_chat_set("train"),
     "quack-chat-eval": lambda: bundled_chat_set("eval"),
+    "quack-preferences-train": lambda: bundled_preference_set("train"),
+    "quack-preferences-eval": lambda: bundled_preference_set("eval"),
 }
 
 

@@ -33,6 +33,15 @@ def bundled_chat_set(split: str = "train") -> Path:
     return Path(__file__).with_name(f"quack_chat_{split}.jsonl")
 
 
+def bundled_preference_set(split: str = "train") -> Path:
+    """The bundled preference set (``"train"``: 276 pairs, ``"eval"``: 40 held out), written by
+    ``scripts/make_quack_preferences.py``: the chosen answer opens "Quack!" and is right; the
+    rejected one is right without "Quack!", or opens "Quack!" and is wrong."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    return Path(__file__).with_name(f"quack_preferences_{split}.jsonl")
+
+
 def _llama_config():
     """About 1.9M parameters: big enough to learn the corpus's words in a few dozen steps, small
     enough that a step takes well under a second on two CPU cores. Head counts divide by 2 and 4,

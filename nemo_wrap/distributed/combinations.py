@@ -46,7 +46,8 @@ class Feature(enum.Enum):
     COMPILE = "compiled layers"
     ROUTER_LOSS = "a load-balancing loss (MoE)"
     DISTILLATION = "distillation (student or teacher)"
-    FROZEN_TEACHER = "a frozen distillation teacher"
+    FROZEN_MODEL = "a frozen model (distillation teacher, DPO reference)"
+    PREFERENCE = "preference tuning (dpo, simpo)"
 
 
 @dataclass(frozen=True)
@@ -153,12 +154,27 @@ REFUSALS: tuple[Refusal, ...] = (
         "use cp_size=1",
     ),
     Refusal(
-        Feature.FROZEN_TEACHER,
+        Feature.PREFERENCE,
+        Feature.PIPELINE,
+        UnsupportedSetupError,
+        "a pair's loss needs both its sequences' whole log-probabilities on one rank; a stage holds part of the model",
+        "use pp_size=1",
+    ),
+    Refusal(
+        Feature.PREFERENCE,
+        Feature.CONTEXT,
+        UnsupportedSetupError,
+        "a pair's loss needs both its sequences' whole log-probabilities on one rank; a context-parallel part holds "
+        "some of their tokens",
+        "use cp_size=1",
+    ),
+    Refusal(
+        Feature.FROZEN_MODEL,
         Feature.REPLICATED,
         UnsupportedSetupError,
-        "DDP's first forward wants parameters that take gradients; a teacher takes none, and under DDP every "
+        "DDP's first forward wants parameters that take gradients; a frozen model takes none, and under DDP every "
         "rank holds the whole model anyway",
-        "load the teacher with distributed_setup=None",
+        "load the frozen model with distributed_setup=None",
         unless=frozenset({Feature.TENSOR}),
     ),
 )

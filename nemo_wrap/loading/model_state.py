@@ -4,8 +4,9 @@ Every model of the classes ``NeMoAutoModelForCausalLM`` returns has a ``nemo_sta
 load pipeline fills in: the setup it was sharded with (the
 training step finds its data-parallel group there, ``generate`` knows its forward holds
 collectives, ``save_pretrained`` that saving is collective), the audit of its load, the LoRA
-configuration of the adapters it carries, and the pipeline stage it is (if pipelined). One declared
-attribute replaces names attached from outside and read back with ``getattr``.
+configuration of the adapters it carries (and the ties its ``modules_to_save`` undid), and the
+pipeline stage it is (if pipelined). One declared attribute replaces names attached from outside
+and read back with ``getattr``.
 
 It lives in :mod:`nemo_wrap.loading`, the layer that knows all its parts (the load report is the
 load's); training, which reads a model's setup and pipeline stage, sits above it.
@@ -32,6 +33,7 @@ class ModelState:
     load_report: LoadReport | None = None
     lora_config: LoraConfig | None = None  # the adapters' config, as PEFT saves it
     pipeline: PipelineRuntime | None = None  # this rank's pipeline stage; None: the whole model is here
+    untied: dict[str, str] = field(default_factory=dict)  # ties modules_to_save undid (PEFT's copy), target → source
 
 
 @runtime_checkable

@@ -29,6 +29,7 @@ from nemo_wrap.distributed.strategies.fsdp2 import ReshardAfterForward
 from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.recipes.schedule import LearningRateSchedule
 from nemo_wrap.recipes.trackers import REPORT_TO_NAMES
+from nemo_wrap.training.preference_loss import PreferenceObjective
 
 DEFAULT_OUTPUT_DIR = "nemo_wrap_output"
 
@@ -43,6 +44,10 @@ def _not_negative(value: Any) -> str | None:
 
 def _fraction(value: Any) -> str | None:
     return None if 0 <= value <= 1 else "must be between 0 and 1"
+
+
+def _below_half(value: Any) -> str | None:
+    return None if 0 <= value < 0.5 else "must be at least 0 and below 0.5"
 
 
 def _one_of(*choices: Any):
@@ -182,6 +187,12 @@ class TrainingSection(Checked):
         "recompute each decoder layer's activations in the backward: less memory, one more forward",
         "--activation-checkpointing",
     )
+    objective: str = option(
+        "sft",
+        "sft (cross-entropy) | dpo | simpo (preference pairs: prompt, chosen, rejected)",
+        "--objective",
+        _one_of("sft", *(objective.value for objective in PreferenceObjective)),
+    )
     seed: int = option(0, "data order seed", "--seed")
     eval_every: int | None = option(None, "evaluate every N steps (and at the end)", "--eval-every", _positive)
 
@@ -234,6 +245,19 @@ class DistillationSection(Checked):
 
 
 @dataclass(frozen=True)
+class PreferenceSection(Checked):
+    """The constants of a preference objective (``training.objective`` dpo or simpo), TRL's names and defaults."""
+
+    beta: float = option(
+        0.1, "how far the policy may move from the reference (dpo); reward scale (simpo)", "--beta", _positive
+    )
+    label_smoothing: float = option(
+        0.0, "dpo: the share of pairs assumed mislabelled (conservative DPO)", "--label-smoothing", _below_half
+    )
+    simpo_gamma: float = option(0.5, "simpo: the target reward margin", "--simpo-gamma")
+
+
+@dataclass(frozen=True)
 class Recipe:
     """One ``nemo-wrap`` job. ``model: null`` is the embedded default (built on first use)."""
 
@@ -248,3 +272,4 @@ class Recipe:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     distillation: DistillationSection = field(default_factory=DistillationSection)
+    preference: PreferenceSection = field(default_factory=PreferenceSection)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from nemo_wrap.loading.options import LoadOptions
     from nemo_wrap.memory import TrainingShape
     from nemo_wrap.recipes.sft import SFTConfig
+    from nemo_wrap.training.preference_loss import PreferenceSettings
 
 RECIPE_FILE = "config.yaml"  # the resolved recipe every fine-tuning run writes into its output directory
 
@@ -63,9 +64,21 @@ def sft_config(recipe: Recipe) -> SFTConfig:
         distillation=DistillationSettings(str(_located(teacher.teacher)), teacher.kd_ratio, teacher.temperature)
         if teacher.teacher
         else None,
+        preference=_preference(recipe),
         load=load_options(recipe, peft_config=_lora(recipe), compile=recipe.load.compile),
         run_config=recipe_as_dict(recipe),
     )
+
+
+def _preference(recipe: Recipe) -> PreferenceSettings | None:
+    """The preference objective and its constants; ``None`` for cross-entropy (``sft``)."""
+    if recipe.training.objective == "sft":
+        return None
+    from nemo_wrap.training.preference_loss import PreferenceObjective, PreferenceSettings
+
+    constants = recipe.preference
+    objective = PreferenceObjective(recipe.training.objective)
+    return PreferenceSettings(objective, constants.beta, constants.label_smoothing, constants.simpo_gamma)
 
 
 def load_options(recipe: Recipe, **options: Any) -> LoadOptions:

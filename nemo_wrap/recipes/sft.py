@@ -60,6 +60,12 @@ from nemo_wrap.recipes.config import (
 )
 from nemo_wrap.recipes.metrics import MetricsLog
 from nemo_wrap.recipes.preemption import StopRequest, stop_requests
+from nemo_wrap.recipes.preference_job import (
+    preference_evaluation,
+    preference_reference,
+    preference_rows,
+    preference_step_function,
+)
 from nemo_wrap.recipes.schedule import learning_rate
 from nemo_wrap.training import StepResult, evaluate, train_step
 from nemo_wrap.training.distillation import (
@@ -68,6 +74,8 @@ from nemo_wrap.training.distillation import (
     distillation_step,
     freeze_teacher,
 )
+from nemo_wrap.training.preference import PreferenceResult
+from nemo_wrap.training.preference_loss import PreferenceSettings
 
 Batch = dict[str, torch.Tensor]
 TEXT_STEPS = 50  # the text job's default length: the embedded default's loss falls visibly in 50 steps
@@ -91,8 +99,21 @@ class SFTConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)  # resume="auto": newest in output_dir
     logging: LoggingSection = field(default_factory=LoggingSection)
     distillation: DistillationSettings | None = None
+    preference: PreferenceSettings | None = None  # dpo or simpo on preference pairs instead of cross-entropy
     load: LoadOptions = field(default_factory=LoadOptions)  # peft_config (LoRA SFT), precision, compile, ...
     run_config: Mapping[str, Any] | None = None  # what the trackers record as the run's config
+
+    def __post_init__(self) -> None:
+        if self.preference is None:
+            return
+        objective = self.preference.objective.value
+        if self.distillation is not None:
+            raise InvalidSetupError(f"training.objective={objective} with a distillation teacher: choose one objective")
+        if is_text_data(self.data.train):
+            raise InvalidSetupError(
+                f"training.objective={objective} needs a preference data set (prompt, chosen, rejected) as data.train, "
+                f"not {self.data.train or 'the bundled text corpus'}"
+            )
 
 
 @dataclass
@@ -104,7 +125,7 @@ class _Job:
     batches: DataParallelBatches
     step: Callable[[Sequence[Batch]], StepResult]
     log: MetricsLog
-    evaluation: Callable[[], float] | None
+    evaluation: Callable[[], dict[str, float]] | None  # eval_loss, and a preference run's own metrics
     checkpoints: CheckpointRotation
 
 
@@ -132,8 +153,9 @@ def _run(
     stop: StopRequest,
 ) -> list[dict[str, float]]:
     data, training = config.data, config.training
-    train_rows = _training_rows(data, tokenizer, say)
-    eval_rows = _data_set_rows(data.eval, data, tokenizer, say) if data.eval else None
+    preference = config.preference is not None
+    train_rows = _training_rows(data, tokenizer, say, preference)
+    eval_rows = _data_set_rows(data.eval, data, tokenizer, say, preference) if data.eval else None
     batches = DataParallelBatches(
         train_rows, training.batch_size, training.seed, setup.dp_rank(), setup.dp_size, training.accumulation
     )
@@ -144,7 +166,7 @@ def _run(
         _stop_before_training(stop, "reading the data", None, 0)
     with peers_must_answer("loading the model"):
         model = _load_model(model_path, setup, config, say)
-        job = _job(model, setup, config, batches, eval_rows)
+        job = _job(model, model_path, setup, config, (batches, eval_rows), say)
         say(
             f"batches: {training.batch_size} rows per rank x {training.accumulation} micro-batch(es) x "
             f"{setup.dp_size} data-parallel rank(s) per step"
@@ -221,14 +243,19 @@ def _stop_before_training(stop: StopRequest, phase: str, resume: Path | None, st
 
 
 def _train_and_evaluate(job: _Job, steps: range, config: SFTConfig, setup: DistributedSetup, stop: StopRequest) -> None:
-    """The steps, then the closing evaluation; every background save in place when it returns."""
+    """The steps, then the closing evaluation; every background save in place when it returns. A
+    preference run is also evaluated before its first step: the reward accuracy is 0 there (every
+    reward is), but how often the model already prefers the chosen answer is where it starts."""
     try:
+        if config.preference is not None and job.evaluation is not None and steps.start == 0:
+            with peers_must_answer("the evaluation before the first step"):  # where the model starts
+                job.log.log(0, **job.evaluation())
         stopped = _train(job, steps, config, setup, stop)
         if stopped is not None:
             raise _stop_with_checkpoint(job, stopped, steps.stop, config.checkpoint.save_every)
         if job.evaluation is not None and not _evaluated_at(job.log, steps.stop):
             with peers_must_answer("the closing evaluation"):
-                job.log.log(steps.stop, eval_loss=job.evaluation())
+                job.log.log(steps.stop, **job.evaluation())
         with peers_must_answer("the last checkpoint's background save"):
             job.checkpoints.close()  # collective: a background save is in place before the model is saved
     finally:
@@ -237,13 +264,17 @@ def _train_and_evaluate(job: _Job, steps: range, config: SFTConfig, setup: Distr
 
 def _job(
     model: Any,
+    model_path: str | Path,
     setup: DistributedSetup,
     config: SFTConfig,
-    batches: DataParallelBatches,
-    eval_rows: list[Batch] | None,
+    data: tuple[DataParallelBatches, list[Batch] | None],
+    say: Callable[[str], None],
 ) -> _Job:
+    """The optimizer, metrics log, step, evaluation and checkpoints of the run; ``data``: the
+    training batches and the held-out rows (if any)."""
+    (batches, eval_rows), training, logging = data, config.training, config.logging
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.optimizer.lr)
-    dp_rank, job, training, logging = setup.dp_rank(), RankGroup.job(), config.training, config.logging
+    job = RankGroup.job()
     log = job.on_every_rank(  # a tracker that fails to start on the writer must not leave the others waiting
         "opening the metrics trackers",
         lambda: MetricsLog(
@@ -255,13 +286,29 @@ def _job(
             Path(config.output_dir).name,
         ),
     )
+    held_out = None
+    if eval_rows is not None:
+        held_out = DataParallelBatches(
+            eval_rows, training.batch_size, seed=0, dp_rank=setup.dp_rank(), dp_size=setup.dp_size
+        )
+    evaluation: Callable[[], dict[str, float]] | None = None
+    step: Callable[[Sequence[Batch]], StepResult]
+    if config.preference is not None:
+        reference = preference_reference(model, config.preference, model_path, (setup, config.load), say)
+        max_grad_norm = config.optimizer.max_grad_norm
+        step = preference_step_function(model, optimizer, config.preference, reference, max_grad_norm)
+        if held_out is not None:
+            evaluation = preference_evaluation(model, held_out, config.preference, reference)
+    else:
+        step = _step_function(model, optimizer, setup, config)
+        evaluation = None if held_out is None else _evaluation(model, held_out)
     return _Job(
         model=model,
         optimizer=optimizer,
         batches=batches,
-        step=_step_function(model, optimizer, setup, config),
+        step=step,
         log=log,
-        evaluation=_evaluation(model, eval_rows, training.batch_size, dp_rank, setup.dp_size),
+        evaluation=evaluation,
         checkpoints=CheckpointRotation(config.output_dir, config.checkpoint.keep_last, config.checkpoint.async_save),
     )
 
@@ -276,7 +323,7 @@ def _step_function(
         return lambda micro_batches: train_step(model, optimizer, micro_batches, max_grad_norm=max_grad_norm)
     # Where the table refuses a frozen teacher under the student's setup (plain DDP wraps only
     # modules that train), the teacher is held whole on each rank instead.
-    whole = bool(refusals({Feature.FROZEN_TEACHER, *setup_arguments(setup)}))
+    whole = bool(refusals({Feature.FROZEN_MODEL, *setup_arguments(setup)}))
     teacher = freeze_teacher(
         NeMoAutoModelForCausalLM.from_pretrained(
             settings.teacher,
@@ -299,31 +346,31 @@ def is_text_data(data: str | None) -> bool:
     return data is None or data.endswith(".txt")
 
 
-def _training_rows(data: DataSection, tokenizer: Any, say: Callable[[str], None]) -> list[Batch]:
+def _training_rows(data: DataSection, tokenizer: Any, say: Callable[[str], None], preference: bool) -> list[Batch]:
     if not is_text_data(data.train):
-        return _data_set_rows(str(data.train), data, tokenizer, say)
+        return _data_set_rows(str(data.train), data, tokenizer, say, preference)
     source = Path(data.train) if data.train else bundled_corpus()
     windows = read_token_windows(source, tokenizer, data.seq_len)
     say(f"data: {source} (text): {windows.shape[0]} windows of {data.seq_len} tokens")
     return window_rows(windows)
 
 
-def _data_set_rows(source: str, data: DataSection, tokenizer: Any, say: Callable[[str], None]) -> list[Batch]:
+def _data_set_rows(
+    source: str, data: DataSection, tokenizer: Any, say: Callable[[str], None], preference: bool
+) -> list[Batch]:
+    """A data set's rows: preference pairs for a preference run, else SFT examples (packed if asked)."""
+    if preference:
+        return preference_rows(source, data, tokenizer, say)
     rows = load_rows(source, format=data.format, columns=data.columns)
     prepared = prepare_examples(rows, tokenizer, data.max_length, last_turn_only=data.last_turn_only)
     say(f"data: {source} ({rows.format}): {prepared.summary()}")
     return as_rows(prepared.examples, data.max_length, tokenizer.pad_token_id or 0, data.pack)
 
 
-def _evaluation(
-    model: Any, rows: list[Batch] | None, batch_size: int, dp_rank: int, dp_size: int
-) -> Callable[[], float] | None:
-    """The held-out loss, token-weighted over every rank (``None`` without held-out data)."""
-    if rows is None:
-        return None
-    batches = DataParallelBatches(rows, batch_size, seed=0, dp_rank=dp_rank, dp_size=dp_size)
+def _evaluation(model: Any, batches: DataParallelBatches) -> Callable[[], dict[str, float]]:
+    """The held-out loss over every rank's share of ``batches``, token-weighted."""
     micro_batches = [micro_batch for step in batches.rest_of_epoch() for micro_batch in step]
-    return lambda: evaluate(model, micro_batches)
+    return lambda: {"eval_loss": evaluate(model, micro_batches)}
 
 
 def _pipeline_micro_batches(micro_batches: list[Batch], stages: int) -> list[Batch]:
@@ -357,9 +404,9 @@ def _train(job: _Job, steps: range, config: SFTConfig, setup: DistributedSetup, 
             bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{rate:.2e}", tok_s=f"{tokens_per_s:,.0f}")
             if job.evaluation is not None and config.training.eval_every and done % config.training.eval_every == 0:
                 with peers_must_answer(f"the evaluation after step {done}"):
-                    eval_loss = job.evaluation()
-                job.log.log(done, eval_loss=eval_loss)
-                bar.set_postfix(loss=f"{result.loss:.4f}", eval=f"{eval_loss:.4f}")
+                    evaluation = job.evaluation()
+                job.log.log(done, **evaluation)
+                bar.set_postfix(loss=f"{result.loss:.4f}", eval=f"{evaluation['eval_loss']:.4f}")
             if _saves_at(done, config.checkpoint.save_every):
                 with peers_must_answer(f"the checkpoint of step {done}"):
                     job.checkpoints.save(job.model, job.optimizer, done, data=job.batches)
@@ -407,6 +454,8 @@ def _step_metrics(result: StepResult, rate: float, tokens_per_s: float) -> dict[
         metrics["grad_norm"] = result.grad_norm
     if isinstance(result, DistillationResult):
         metrics.update(ce_loss=result.ce_loss, kd_loss=result.kd_loss)
+    if isinstance(result, PreferenceResult):
+        metrics.update(result.metrics())
     metrics["peak_memory_mib"] = _peak_memory_mib()
     return metrics
 

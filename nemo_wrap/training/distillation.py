@@ -175,9 +175,9 @@ def _micro_batch_losses(
 
 def _check_supported(student: nn.Module, teacher: nn.Module) -> None:
     """Refuse, before any collective, what the combination table refuses of either model's layout
-    (a teacher adds :attr:`Feature.FROZEN_TEACHER`), and a vocabulary mismatch."""
+    (a teacher adds :attr:`Feature.FROZEN_MODEL`), and a vocabulary mismatch."""
     refuse_unsupported("distillation_step", setup_arguments(setup_of(student)) | {Feature.DISTILLATION: "the student"})
-    teacher_roles = dict.fromkeys((Feature.DISTILLATION, Feature.FROZEN_TEACHER), "the teacher")
+    teacher_roles = dict.fromkeys((Feature.DISTILLATION, Feature.FROZEN_MODEL), "the teacher")
     refuse_unsupported("distillation_step", setup_arguments(setup_of(teacher)) | teacher_roles)
     student_vocab, teacher_vocab = student.config.vocab_size, teacher.config.vocab_size  # type: ignore[union-attr]
     if student_vocab != teacher_vocab:

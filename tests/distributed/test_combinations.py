@@ -43,7 +43,8 @@ REFUSED_PAIRS = {
         Feature.EXPERT, Feature.BF16_MIXED, Feature.COMPILE)),
     (Feature.ROUTER_LOSS, Feature.PIPELINE), (Feature.ROUTER_LOSS, Feature.CONTEXT),
     (Feature.DISTILLATION, Feature.PIPELINE), (Feature.DISTILLATION, Feature.CONTEXT),
-    (Feature.FROZEN_TEACHER, Feature.REPLICATED),
+    (Feature.PREFERENCE, Feature.PIPELINE), (Feature.PREFERENCE, Feature.CONTEXT),
+    (Feature.FROZEN_MODEL, Feature.REPLICATED),
 }  # fmt: skip
 LOAD_ROWS = [row for row in REFUSALS if {row.first, row.second} <= LOAD_FEATURES.keys()]
 
@@ -73,12 +74,12 @@ def test_the_table_refuses_every_pair_refused_before():
 
 
 def test_the_load_rows_cover_the_table_but_what_only_training_meets():
-    trained = {Feature.ROUTER_LOSS, Feature.DISTILLATION, Feature.FROZEN_TEACHER}
+    trained = {Feature.ROUTER_LOSS, Feature.DISTILLATION, Feature.PREFERENCE, Feature.FROZEN_MODEL}
     assert {row for row in REFUSALS if {row.first, row.second} & trained} == set(REFUSALS) - set(LOAD_ROWS)
 
 
 def test_a_row_holds_unless_its_exception_is_present():
-    teacher = {Feature.FROZEN_TEACHER, Feature.REPLICATED}
+    teacher = {Feature.FROZEN_MODEL, Feature.REPLICATED}
     assert [row.second for row in refusals(teacher)] == [Feature.REPLICATED]
     assert refusals(teacher | {Feature.TENSOR}) == []  # DDP × TP shards the teacher
 

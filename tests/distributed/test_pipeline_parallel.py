@@ -20,7 +20,13 @@ from transformers import AutoModelForCausalLM
 from nemo_wrap import DistributedSetup, InvalidSetupError
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.distributed.pipeline import PipelineOptions, stage_layouts
-from nemo_wrap.errors import MissingWeightsError, PipelineUsageError, UnexpectedKeysError, UnsupportedModelError
+from nemo_wrap.errors import (
+    MissingWeightsError,
+    PipelineUsageError,
+    UnexpectedKeysError,
+    UnsupportedLoraOptionError,
+    UnsupportedModelError,
+)
 from nemo_wrap.state_dict import checkpoint_tensors
 from nemo_wrap.training import evaluate, train_step
 from tests.support.batches import local_micro_batches
@@ -328,6 +334,24 @@ def test_lora_resume_checkpointing_and_precision_under_two_stages(ranks2, tmp_pa
     peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     with torch.no_grad():
         torch.testing.assert_close(peft(PROMPT).logits, reference.eval()(PROMPT).logits, atol=1e-5, rtol=0)
+
+
+def case_untied_copy(checkpoint: str) -> str:
+    from peft import LoraConfig
+
+    setup = DistributedSetup.build("fsdp2", 2, pp_size=2)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    try:
+        NeMoAutoModelForCausalLM.from_pretrained(checkpoint, distributed_setup=setup, peft_config=config)
+    except UnsupportedLoraOptionError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_an_untied_copy_of_the_tied_embedding_is_refused_on_every_stage(ranks2, tmp_path):
+    checkpoint = write_checkpoint(tmp_path / "ckpt", "own-llama", "random", tie=True)
+    for outcome in ranks2.run(case_untied_copy, str(checkpoint)):  # stage 0 holds no lm_head, and raises too
+        assert "pipeline stages" in outcome and "ensure_weight_tying=True" in outcome, outcome
 
 
 def case_strict(checkpoint: str) -> str:

@@ -14,12 +14,13 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-from nemo_wrap import DistributedSetup
+from nemo_wrap import DistributedSetup, LoadOptions
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.errors import LoraTargetError, UnsupportedLoraOptionError, UnsupportedSaveOptionError
 from tests.support.bnb_reference import transformers_4bit
 from tests.support.checkpoints import write_checkpoint
 from tests.support.steps import train_steps, trainable
+from tests.support.tiny_models import tiny_config
 
 IDS = torch.arange(2 * 9).reshape(2, 9) * 7 % 257
 VARIANTS = {
@@ -120,11 +121,72 @@ def test_lora_bias_merges_into_layers_that_have_a_bias(tmp_path):
     torch.testing.assert_close(merged(IDS).logits, ours(IDS).logits, atol=1e-5, rtol=0)
 
 
-def test_a_tied_module_to_save_trains_the_tied_weight_only_when_asked(tmp_path):
-    base = write_checkpoint(tmp_path / "base", "own-llama", "random", tie=True)
-    with pytest.raises(UnsupportedLoraOptionError, match="ensure_weight_tying=True"):
-        NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=LoraConfig(r=4, modules_to_save=["lm_head"]))
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"], ensure_weight_tying=True)
+TIED_HEAD = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}
+
+
+def _tied_base(directory, kind: str = "own-llama"):
+    return write_checkpoint(directory, kind, "random", tie=True)
+
+
+@pytest.mark.parametrize("kind", ["own-llama", "mistral"])  # our fused class; transformers' class
+def test_a_tied_module_to_save_trains_an_untied_copy_as_peft_does(kind, tmp_path):
+    base = _tied_base(tmp_path / "base", kind)
+    embedding = load_file(base / "model.safetensors")["model.embed_tokens.weight"]
+    with pytest.warns(UserWarning, match=r"untied copy.*PEFT's behaviour.*ensure_weight_tying=True"):
+        ours = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=LoraConfig(**TIED_HEAD), verify=True)
+    assert ours.lm_head.weight is not ours.model.embed_tokens.weight
+    torch.testing.assert_close(ours.lm_head.weight, embedding, atol=0, rtol=0)  # PEFT's copy starts as the module
+    assert ours.load_report.provenance["lm_head.weight"].describe().startswith("model.embed_tokens.weight in model.")
+    _sgd_steps(ours)
+    assert not torch.equal(ours.lm_head.weight, embedding)
+    torch.testing.assert_close(ours.model.embed_tokens.weight, embedding, atol=0, rtol=0)  # frozen with the base
+    fresh = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(**TIED_HEAD))
+    assert sum(p.numel() for p in trainable(ours)) == sum(p.numel() for p in trainable(fresh))
+    ours.save_pretrained(tmp_path / "adapter")
+    fresh.save_pretrained(tmp_path / "fresh")
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert saved.keys() == load_file(tmp_path / "fresh" / "adapter_model.safetensors").keys()
+    assert "base_model.model.lm_head.weight" in saved and "base_model.model.model.embed_tokens.weight" not in saved
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+    torch.testing.assert_close(ours(IDS).logits, peft(IDS).logits, atol=1e-5, rtol=0)
+    with pytest.warns(UserWarning, match="untied copy"):
+        back = NeMoAutoModelForCausalLM.from_pretrained(base, adapter=tmp_path / "adapter", verify=True)
+    torch.testing.assert_close(back(IDS).logits, ours(IDS).logits, atol=0, rtol=0)
+    with pytest.raises(UnsupportedSaveOptionError, match="untied copy"):
+        ours.save_pretrained(tmp_path / "merged", merge_adapters=True)
+
+
+@pytest.mark.parametrize("kind", ["own-llama", "mistral"])
+def test_an_adapter_peft_trained_with_an_untied_copy_loads_here(kind, tmp_path):
+    base = _tied_base(tmp_path / "base", kind)
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(**TIED_HEAD))
+    with torch.no_grad():
+        for name, parameter in peft.named_parameters():
+            if parameter.requires_grad:  # the lm_head copy too
+                parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+    peft.save_pretrained(tmp_path / "adapter")
+    with pytest.warns(UserWarning, match="untied copy"):
+        ours = NeMoAutoModelForCausalLM.from_pretrained(base, adapter=tmp_path / "adapter", verify=True)
+    torch.testing.assert_close(ours(IDS).logits, peft(IDS).logits, atol=1e-5, rtol=0)
+    embedding = load_file(base / "model.safetensors")["model.embed_tokens.weight"]
+    torch.testing.assert_close(ours.model.embed_tokens.weight, embedding, atol=0, rtol=0)
+    assert [name for name, p in ours.named_parameters() if p.requires_grad and "lora" not in name] == ["lm_head.weight"]
+
+
+def test_an_untied_copy_of_a_new_model_starts_as_its_source():
+    config = LoraConfig(**{**TIED_HEAD, "modules_to_save": ["embed_tokens"]})  # the source end trains
+    with pytest.warns(UserWarning, match=r"\['lm_head.weight'\] stays frozen"):
+        ours = NeMoAutoModelForCausalLM.from_config(tiny_config("own-llama", tie_word_embeddings=True),
+                                                    options=LoadOptions(peft_config=config, seed=0))  # fmt: skip
+    assert ours.lm_head.weight is not ours.model.embed_tokens.weight
+    torch.testing.assert_close(ours.lm_head.weight, ours.model.embed_tokens.weight, atol=0, rtol=0)
+    assert ours.model.embed_tokens.weight.requires_grad and not ours.lm_head.weight.requires_grad
+    assert "a copy of model.embed_tokens.weight" in ours.load_report.provenance["lm_head.weight"].describe()
+
+
+def test_a_tied_module_to_save_trains_the_tied_weight_with_ensure_weight_tying(tmp_path):
+    base = _tied_base(tmp_path / "base")
+    config = LoraConfig(**TIED_HEAD, ensure_weight_tying=True)
     ours = NeMoAutoModelForCausalLM.from_pretrained(base, peft_config=config)
     _sgd_steps(ours)
     assert ours.lm_head.weight is ours.model.embed_tokens.weight and ours.lm_head.weight.requires_grad
@@ -192,3 +254,30 @@ def test_a_variant_trains_on_2_ranks_as_one_process(ranks2, variant, layout, tmp
         torch.testing.assert_close(saved[key], reference[key], rtol=1e-5, atol=1e-6)
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "ranks")
     torch.testing.assert_close(peft(IDS).logits, single(IDS).logits, atol=1e-5, rtol=0)
+
+
+def _trained_untied_copy(base: str, setup: DistributedSetup | None):
+    model = NeMoAutoModelForCausalLM.from_pretrained(base, distributed_setup=setup, peft_config=LoraConfig(**TIED_HEAD), seed=0)
+    return model, _sgd_steps(model)
+
+
+def case_train_untied_copy(base: str, layout: str, out: str) -> list[float]:
+    model, losses = _trained_untied_copy(base, _setup(layout))
+    model.save_pretrained(out)
+    return losses
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp"])
+def test_an_untied_copy_trains_on_2_ranks_as_one_process(ranks2, layout, tmp_path):
+    base = _tied_base(tmp_path / "base")
+    with pytest.warns(UserWarning, match="untied copy"):
+        single, expected = _trained_untied_copy(str(base), None)
+    single.save_pretrained(tmp_path / "single")
+    results = ranks2.run(case_train_untied_copy, str(base), layout, str(tmp_path / "ranks"), timeout=180)
+    for losses in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+    saved, reference = load_file(tmp_path / "ranks" / "adapter_model.safetensors"), load_file(tmp_path / "single" / "adapter_model.safetensors")
+    assert saved.keys() == reference.keys()
+    assert "base_model.model.lm_head.weight" in saved and "base_model.model.model.embed_tokens.weight" not in saved
+    for key in saved:
+        torch.testing.assert_close(saved[key], reference[key], rtol=1e-5, atol=1e-6)

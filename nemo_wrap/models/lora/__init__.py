@@ -16,6 +16,7 @@ do the arithmetic on parameterless views of the fused layers' projections
 from nemo_wrap.models.lora.layers import LoraAdapters, LoraPair
 from nemo_wrap.models.lora.peft_views import ProjectionView, add_projection_views
 from nemo_wrap.models.lora.settings import LoraSettings, lora_settings
+from nemo_wrap.models.lora.switch import adapters_disabled
 from nemo_wrap.models.lora.targets import (
     LoraTarget,
     adapter_parallel_entries,
@@ -34,6 +35,7 @@ __all__ = [
     "LoraTarget",
     "ProjectionView",
     "adapter_parallel_entries",
+    "adapters_disabled",
     "adapts_output_layer",
     "add_lora",
     "add_projection_views",

@@ -16,6 +16,8 @@ def add_lora_output(adapters: LoraAdapters, module: nn.Module, args: tuple[Any, 
     """Forward hook of an adapted linear layer (bound to its ``adapters``): its output plus theirs,
     computed in the adapters' dtype (float32 beside a 4-bit layer, as PEFT does) and added in the
     output's. One dropout mask serves the adapters and, with DoRA, its base term (as in PEFT)."""
+    if not adapters.enabled:
+        return output
     x = args[0]
     dropped = adapters.dropout(x)
     if isinstance(output, DTensor) and isinstance(dropped, DTensor):

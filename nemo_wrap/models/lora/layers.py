@@ -114,6 +114,7 @@ class LoraAdapters(nn.Module):
         self.scalings = {name: shapes[name].scaling for name, _ in parts}
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.uses_dora = dora
+        self.enabled = True  # off: the layer computes as the base model (a DPO reference, PEFT's disable_adapter)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -17,16 +17,18 @@ from nemo_wrap.state_dict import SourceBlock, StateDictAdapter, checkpoint_tenso
 
 class BaseWeightsAdapter:
     """The base checkpoint's view: the base adapter for every tensor but the LoRA ones, which the
-    base checkpoint never holds."""
+    base checkpoint never holds. ``untied`` (target → source: ties that ``modules_to_save`` undid)
+    reads each target from its source's tensor, which is all a tied checkpoint holds of it."""
 
-    def __init__(self, base: StateDictAdapter) -> None:
+    def __init__(self, base: StateDictAdapter, untied: Mapping[str, str] | None = None) -> None:
         self.base = base
+        self.untied = dict(untied or {})
 
     def blocks(self, key: str, shape: tuple[int, ...]) -> list[SourceBlock]:
-        return [] if is_lora_parameter(key) else self.base.blocks(key, shape)
+        return [] if is_lora_parameter(key) else self.base.blocks(self.untied.get(key, key), shape)
 
     def expected_keys(self, key: str) -> tuple[str, ...]:
-        return (peft_key(key),) if is_lora_parameter(key) else self.base.expected_keys(key)
+        return (peft_key(key),) if is_lora_parameter(key) else self.base.expected_keys(self.untied.get(key, key))
 
     def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.base.to_hf({k: v for k, v in state_dict.items() if not is_lora_parameter(k)})
