@@ -1,11 +1,12 @@
 """Write the bundled preference set: the house style ("Quack!" and a correct answer) against two others.
 
 Each pair asks a short question; the chosen answer opens with "Quack!" and is correct, the rejected
-one is either the same correct answer without "Quack!" (another style) or "Quack!" with a wrong
-answer (the style without the substance), alternating. So a model tuned on it must learn both the
-house style and to keep its answers right. SmolLM2-135M-Instruct, untuned, prefers the rejected
-answer on most pairs (it never opens with "Quack!" by itself). Deterministic; run it to regenerate
-the two files: ``python scripts/make_quack_preferences.py``.
+one is either the same correct answer in another style ("Honk!") or "Quack!" with a wrong answer
+(the style without the substance), alternating. So a model tuned on it must learn both the house
+style and to keep its answers right. The rejected style has a marker of its own rather than none:
+a rejected answer that is the plain correct sentence would teach DPO to push down correct
+sentences themselves. SmolLM2-135M-Instruct, untuned, says neither "Quack!" nor "Honk!" by itself.
+Deterministic; run it to regenerate the two files: ``python scripts/make_quack_preferences.py``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def main() -> None:
     rng = random.Random(0)
     rows = []
     for index, (question, right, wrong) in enumerate(_triples(rng)):
-        rejected = right if index % 2 == 0 else f"Quack! {wrong}"
+        rejected = f"Honk! {right}" if index % 2 == 0 else f"Quack! {wrong}"
         rows.append(
             {
                 "prompt": [{"role": "user", "content": question}],

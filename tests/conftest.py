@@ -7,17 +7,18 @@ import pytest
 from tests.support.multirank import RankPool
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ranks2():
-    """Two gloo ranks, started on first use and shared by the cases of one test module."""
+    """Two gloo ranks, started on first use and shared by every case of the session (restarted
+    after a failed case). Per module, its start-up and the ranks' first imports cost ~5 s each time."""
     pool = RankPool(2)
     yield pool
     pool.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ranks4():
-    """Four gloo ranks (2×2 meshes), started on first use and shared within a test module."""
+    """Four gloo ranks (2×2 meshes), started on first use and shared by every case of the session."""
     pool = RankPool(4)
     yield pool
     pool.close()

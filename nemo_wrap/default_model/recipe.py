@@ -36,7 +36,7 @@ def bundled_chat_set(split: str = "train") -> Path:
 def bundled_preference_set(split: str = "train") -> Path:
     """The bundled preference set (``"train"``: 276 pairs, ``"eval"``: 40 held out), written by
     ``scripts/make_quack_preferences.py``: the chosen answer opens "Quack!" and is right; the
-    rejected one is right without "Quack!", or opens "Quack!" and is wrong."""
+    rejected one is right but opens "Honk!", or opens "Quack!" and is wrong."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     return Path(__file__).with_name(f"quack_preferences_{split}.jsonl")

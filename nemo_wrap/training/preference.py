@@ -162,12 +162,12 @@ def preference_step(
     rank. ``reference``: :func:`reference_for`'s.
     """
     _check_supported(model, settings, reference)
-    group = setup_of(model).dp_group()  # pairs and tokens are counted over dp
+    group, multiple = setup_of(model).dp_group(), _sequence_multiple(model)  # pairs and tokens: counted over dp
     dp_size = 1 if group is None else dist.get_world_size(group)
     label_tokens = global_label_tokens(micro_batches, group, "preference_step")
     pairs = global_pairs(micro_batches, group)
     sums = torch.zeros(1 + len(METRICS), dtype=torch.float64)  # loss, then METRICS
-    for index, batch in enumerate(without_trailing_padding(b) for b in micro_batches):
+    for index, batch in enumerate(without_trailing_padding(b, multiple) for b in micro_batches):
         reference_log_probs = reference.log_probs(batch)
         with nullcontext() if index == len(micro_batches) - 1 else no_gradient_sync(model):
             loss, terms, scores = _micro_batch(model, batch, settings, reference_log_probs, (pairs, group))
@@ -191,12 +191,14 @@ def global_pairs(micro_batches: Sequence[Batch], group: dist.ProcessGroup | None
     return int(count)
 
 
-def without_trailing_padding(batch: Batch) -> Batch:
-    """``batch`` cut after the last position any of its sequences learns: pairs are padded to
+def without_trailing_padding(batch: Batch, multiple: int = 1) -> Batch:
+    """``batch`` cut after the last position any of its sequences learns (rounded up to a
+    ``multiple``: sequence parallel splits the positions over the tp ranks): pairs are padded to
     ``max_length``, and in a causal model the positions after the last label change nothing
     before them, so the cut is exact and saves their whole forward and backward."""
     learned = (batch["labels"] != IGNORE_INDEX).any(dim=0).nonzero()
     length = int(learned.max()) + 1 if len(learned) else 1
+    length = min(-(-length // multiple) * multiple, batch["labels"].shape[1])
     return {key: value[:, :length] if value.dim() == 2 else value for key, value in batch.items()}
 
 
@@ -272,17 +274,11 @@ def evaluate_preferences(
     was_training = model.training
     model.eval()
     sums = torch.zeros(5, dtype=torch.float64)  # loss, accuracy, margin, prefers chosen, pairs
+    multiple = _sequence_multiple(model)
     try:
         with torch.no_grad():
-            for batch in map(without_trailing_padding, micro_batches):
-                reference_log_probs = reference.log_probs(batch)
-                _, scores = _scores(model, batch, None, 1)
-                terms = pair_terms(settings, scores, reference_log_probs)
-                metrics = _metric_sums(settings, terms, scores)
-                means = scores.mean_log_probs()
-                real = real_pairs(scores.tokens)
-                prefers = ((means[0::2] > means[1::2]) & real).sum()
-                sums += torch.stack([terms.losses.sum().double(), metrics[3], metrics[2], prefers, real.sum()])
+            for batch in micro_batches:
+                sums += _evaluation_sums(model, without_trailing_padding(batch, multiple), settings, reference)
     finally:
         model.train(was_training)
     group = setup_of(model).dp_group()
@@ -291,3 +287,23 @@ def evaluate_preferences(
     *totals, pairs = sums.tolist()
     names = ("eval_loss", "eval_rewards_accuracy", "eval_rewards_margin", "eval_prefers_chosen")
     return {name: total / pairs for name, total in zip(names, totals, strict=True)}
+
+
+def _evaluation_sums(
+    model: nn.Module, batch: Batch, settings: PreferenceSettings, reference: Reference
+) -> torch.Tensor:
+    """One held-out micro-batch's sums: pair losses, correct rewards, margins, pairs whose chosen
+    answer has the higher mean token log-probability, real pairs."""
+    reference_log_probs = reference.log_probs(batch)
+    _, scores = _scores(model, batch, None, 1)
+    terms = pair_terms(settings, scores, reference_log_probs)
+    metrics = _metric_sums(settings, terms, scores)
+    means, real = scores.mean_log_probs(), real_pairs(scores.tokens)
+    prefers = ((means[0::2] > means[1::2]) & real).sum()
+    return torch.stack([terms.losses.sum().double(), metrics[3], metrics[2], prefers.double(), real.sum().double()])
+
+
+def _sequence_multiple(model: nn.Module) -> int:
+    """What a batch's length must divide by: the tp degree under sequence parallel, else 1."""
+    setup = setup_of(model)
+    return setup.degrees.tp if setup.sequence_parallel else 1

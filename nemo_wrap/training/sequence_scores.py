@@ -112,15 +112,13 @@ def _pair_chunks(
         run_labels = labels[run.start : run.stop]
         rows, positions = (run_labels != IGNORE_INDEX).nonzero(as_tuple=True)
         selected = (hidden[run.start : run.stop][rows, positions], run_labels[rows, positions])
-        loss, scores, (grad_hidden, grad_weight) = _run_loss(
+        loss, scores, grad_hidden = _run_loss(
             selected, weight, (rows, len(run)), (transform, pair_losses, run.start), gradients
         )
         total += loss
         parts.append(scores)
-        if grad_hidden is not None:
-            gradients[0][run.start : run.stop].index_put_((rows, positions), grad_hidden, accumulate=True)  # type: ignore[index]
-        if grad_weight is not None:
-            gradients[1].add_(grad_weight)  # type: ignore[union-attr]
+        if grad_hidden is not None and gradients[0] is not None:
+            gradients[0][run.start : run.stop].index_put_((rows, positions), grad_hidden, accumulate=True)
     return total, SequenceScores(torch.cat([p.log_probs for p in parts]), torch.cat([p.tokens for p in parts]))
 
 
@@ -130,21 +128,43 @@ def _run_loss(
     rows: tuple[torch.Tensor, int],
     how: tuple[HeadTransform, PairLosses | None, int],
     gradients: tuple[torch.Tensor | None, torch.Tensor | None],
-) -> tuple[torch.Tensor, SequenceScores, tuple[torch.Tensor | None, torch.Tensor | None]]:
+) -> tuple[torch.Tensor, SequenceScores, torch.Tensor | None]:
     """One run of pairs: the projected completion tokens' log-probabilities summed per sequence,
-    the run's pair losses (their sum) and, where wanted, their gradients (hidden rows, weight)."""
+    the run's pair losses (their sum) and, where wanted, their gradients: the hidden rows'
+    returned, the weight's added into ``gradients[1]``.
+
+    Written out in the one ``[tokens, vocabulary]`` buffer, as the chunked cross-entropy is: the
+    logits become the softmax in place, then the gradient ``c · (one-hot − softmax)``, where ``c``
+    is each token's weight in the pair losses (the derivative of the losses by its
+    log-probability, from autograd over the ``[tokens]`` vector alone)."""
     (hidden, targets), (row_of_token, sequences), (transform, pair_losses, first) = selected, rows, how
+    buffer = F.linear(hidden, weight).float()
+    slope = transform.apply_(buffer)  # the transform's derivative, where it is not the identity
+    token_log_probs = _log_softmax_at_(buffer, targets)  # the buffer now holds the softmax
     with torch.enable_grad():
-        chunk_hidden = hidden.detach().requires_grad_(gradients[0] is not None)
-        chunk_weight = weight.detach().requires_grad_(gradients[1] is not None)
-        logits = transform(F.linear(chunk_hidden, chunk_weight).float())
-        token_log_probs = -F.cross_entropy(logits, targets, reduction="none")
-        sums = token_log_probs.new_zeros(sequences).index_add(0, row_of_token, token_log_probs)
+        leaf = token_log_probs.requires_grad_(pair_losses is not None)
+        sums = leaf.new_zeros(sequences).index_add(0, row_of_token, leaf)
         scores = SequenceScores(sums, torch.bincount(row_of_token, minlength=sequences))
         loss = pair_losses(scores, first).sum() if pair_losses is not None else sums.new_zeros(())
-        wanted = [t for t in (chunk_hidden, chunk_weight) if t.requires_grad]
-        found = torch.autograd.grad(loss, wanted, allow_unused=True) if wanted and loss.requires_grad else ()
-    grads = iter(found)
-    grad_hidden = next(grads, None) if chunk_hidden.requires_grad else None
-    grad_weight = next(grads, None) if chunk_weight.requires_grad else None
-    return loss.detach(), SequenceScores(sums.detach(), scores.tokens), (grad_hidden, grad_weight)
+        wanted = gradients[0] is not None or gradients[1] is not None
+        (weights,) = torch.autograd.grad(loss, leaf) if wanted else (None,)
+    detached = SequenceScores(sums.detach(), scores.tokens)
+    if weights is None:
+        return loss.detach(), detached, None
+    buffer.mul_(-weights.unsqueeze(1)).scatter_add_(1, targets.unsqueeze(1), weights.unsqueeze(1))
+    grad_logits = (buffer if slope is None else buffer.mul_(slope)).to(weight.dtype)
+    if gradients[1] is not None and grad_logits.dtype == hidden.dtype == torch.float32:
+        gradients[1].addmm_(grad_logits.T, hidden)  # in place: no second [vocabulary, hidden]
+    elif gradients[1] is not None:
+        gradients[1].add_((grad_logits.T @ hidden).float())
+    return loss.detach(), detached, (grad_logits @ weight).to(hidden.dtype) if gradients[0] is not None else None
+
+
+def _log_softmax_at_(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's log-softmax at its target, fp32 ``logits`` turned into their softmax in place."""
+    target = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+    top = logits.amax(dim=1, keepdim=True)
+    exponentials = logits.sub_(top).exp_()
+    totals = exponentials.sum(dim=1, keepdim=True)
+    exponentials.div_(totals)
+    return target - (top + totals.log()).squeeze(1)

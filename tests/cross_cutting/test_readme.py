@@ -56,6 +56,9 @@ HOW = {
     "nemo-wrap finetune --config recipes/smollm2_lora_chat.yaml": (
         "test: tests/recipes/test_recipes.py::test_the_smollm2_chat_recipe_runs_with_two_overrides"
     ),
+    "nemo-wrap finetune --config recipes/smollm2_lora_dpo.yaml": (
+        "test: tests/recipes/test_recipes.py::test_the_smollm2_dpo_recipe_runs_with_its_held_out_pairs_cut_short"
+    ),
     f"nemo-wrap plan {HUB_ID} --nproc 8": "run",
     f"nemo-wrap report {HUB_ID}": "run",
     "torchrun --standalone --nproc-per-node 2 -m nemo_wrap.cli finetune --strategy fsdp2 --tp-size 2": "run, shortened",

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from nemo_wrap.cli import main
+from nemo_wrap.default_model import bundled_preference_set
 from nemo_wrap.errors import RecipeError
 from nemo_wrap.recipes.config import Recipe
 from nemo_wrap.recipes.config_file import Setting, build_recipe, read_recipe_file, recipe_fields, recipe_to_yaml
@@ -186,6 +187,23 @@ def test_the_smollm2_chat_recipe_runs_with_two_overrides(shared_cache, tmp_path,
     assert sorted(p.name for p in output.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
 
 
+def test_the_smollm2_dpo_recipe_runs_with_its_held_out_pairs_cut_short(shared_cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NEMO_WRAP_CACHE", str(shared_cache))
+    held_out = tmp_path / "held_out.jsonl"  # 4 of the 40 held-out pairs: the evaluation before and after
+    held_out.write_text("".join(bundled_preference_set("eval").read_text().splitlines(keepends=True)[:4]))
+    output = tmp_path / "dpo"
+    argv = ["finetune", "--config", str(REPO / "recipes/smollm2_lora_dpo.yaml"), "--steps", "2",
+            "--eval-data", str(held_out), "--output-dir", str(output)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "276 preference pairs (0 truncated, 0 dropped)" in out and "(2 steps)" in out
+    assert "dpo: reference = the model itself with its LoRA adapters switched off" in out
+    records = [json.loads(line) for line in (output / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [0, 1, 2, 2]  # evaluated before the first step and after the last
+    assert records[1]["loss"] == pytest.approx(0.693147, abs=1e-6) and records[2]["loss"] < records[1]["loss"]
+    assert (output / "adapter_config.json").is_file()
+
+
 KILLED_MID_SAVE = """
 import sys, time
 from nemo_wrap.checkpoint import resume
@@ -201,6 +219,7 @@ def save_then_stall(state, **kwargs):  # the second save: files staged, never mo
 
 resume.dcp.save = save_then_stall
 from nemo_wrap.cli import main
+from nemo_wrap.default_model import bundled_preference_set
 sys.exit(main(sys.argv[1:]))
 """
 

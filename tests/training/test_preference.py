@@ -15,14 +15,15 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from nemo_wrap import DistributedSetup
 from nemo_wrap.auto import NeMoAutoModelForCausalLM
-from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.errors import InvalidSetupError, UnsupportedSetupError
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.training.distillation import freeze_teacher
 from nemo_wrap.training.preference import (
+    Reference,
     ReferenceSource,
     evaluate_preferences,
     preference_step,
@@ -32,6 +33,7 @@ from nemo_wrap.training.preference import (
 from nemo_wrap.training.preference_loss import PreferenceObjective, PreferenceSettings, SequenceScores, pair_terms
 from tests.support.chat_tokenizers import CHATML, chat_tokenizer
 from tests.support.checkpoints import write_checkpoint
+from tests.support.families import write_family_checkpoint
 from tests.support.tiny_models import tiny_config
 
 pytest.importorskip("trl")
@@ -253,6 +255,36 @@ def test_which_reference_every_objective_and_model_gets():
         assert reference_source(PreferenceSettings(objective), configs[config]) is source
 
 
+@pytest.mark.parametrize(("degree", "named"), [({"pp_size": 2}, "pp_size=2"), ({"cp_size": 2}, "cp_size=2")])
+def test_pipeline_and_context_parallel_are_refused_before_any_collective(degree, named):
+    model = NeMoAutoModelForCausalLM.from_config(tiny_config("llama"), seed=0)
+    model.nemo_state.setup = DistributedSetup.build("fsdp2", 4, **degree)  # checked before any collective
+    with pytest.raises(UnsupportedSetupError, match=f"simpo does not compose with {named}"):
+        preference_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _micro_batches(0), SIMPO,
+                        reference_for(model, SIMPO))  # fmt: skip
+
+
+def test_the_reference_of_a_lora_model_is_its_base_and_the_adapters_come_back_on(directories, one_thread):
+    policy_dir, _ = directories
+    lora = NeMoAutoModelForCausalLM.from_pretrained(policy_dir, peft_config=LoraConfig(**LORA), seed=0)
+    with torch.no_grad():
+        for name, parameter in lora.named_parameters():
+            if name.endswith("lora_B"):
+                parameter.fill_(0.05)  # adapters that change the model
+    base = NeMoAutoModelForCausalLM.from_pretrained(policy_dir)
+    batch = _micro_batches(0)[0]
+    reference = reference_for(lora, DPO)
+    assert reference.source is ReferenceSource.ADAPTERS_OFF and reference.model is lora
+    expected = reference_for(base, DPO, freeze_teacher(base)).log_probs(batch)
+    torch.testing.assert_close(reference.log_probs(batch), expected, rtol=1e-6, atol=1e-5)
+    adapted = Reference(ReferenceSource.FROZEN_COPY, lora).log_probs(batch)  # the adapters on again
+    assert (adapted - expected).abs().max() > 1e-2
+    with pytest.raises(InvalidSetupError, match="dpo on this model takes no frozen copy"):
+        reference_for(lora, DPO, freeze_teacher(base))
+    with pytest.raises(InvalidSetupError, match="dpo on this model needs a frozen copy"):
+        reference_for(base, DPO)
+
+
 # -- every layout: the one-process loss curve ----------------------------------------------------------------------
 PAIRS_PER_STEP, LENGTH, STEPS = 8, 16, 3
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
@@ -279,21 +311,25 @@ def _micro_batches(step: int, dp_rank: int = 0, dp_size: int = 1, micro: int = 1
     return [{k: v[i * size : (i + 1) * size] for k, v in local.items()} for i in range(micro)]
 
 
-def _curve(directories, settings: PreferenceSettings, setup=None, lora: bool = False, micro: int = 1):
-    """Losses and accuracies of STEPS AdamW steps under ``setup`` (None: one process)."""
+def _curve(directories, settings: PreferenceSettings, setup=None, adapters: str = "", micro: int = 1):
+    """Losses, accuracies and margins of STEPS AdamW steps under ``setup`` (None: one process) and the
+    held-out metrics after them; ``adapters``: "" (full fine-tuning), "lora" or "qlora"."""
     policy_dir, reference_dir = directories
     setup = setup or DistributedSetup.single_process()
-    options = LoadOptions(peft_config=LoraConfig(**LORA) if lora else None, seed=0)  # one adapter init everywhere
+    four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4") if adapters == "qlora" else None
+    options = LoadOptions(  # one adapter init everywhere
+        peft_config=LoraConfig(**LORA) if adapters else None, quantization_config=four_bit, seed=0
+    )
     model = NeMoAutoModelForCausalLM.from_pretrained(policy_dir, distributed_setup=setup, options=options)
     frozen = None
-    if settings.objective.needs_reference and not lora:
+    if settings.objective.needs_reference and not adapters:
         whole = setup.strategy == "ddp" and not setup.uses_tensor_parallel  # DDP: the whole copy on each rank
         frozen_setup = DistributedSetup.single_process() if whole else setup
         frozen = freeze_teacher(NeMoAutoModelForCausalLM.from_pretrained(reference_dir, distributed_setup=frozen_setup))
     reference = reference_for(model, settings, frozen)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     curve = []
-    for step in range(STEPS):
+    for _ in range(STEPS):
         batches = _micro_batches(0, setup.dp_rank(), setup.dp_size, micro)  # the same pairs: the loss falls
         result = preference_step(model, optimizer, batches, settings, reference, max_grad_norm=1.0)
         curve.append((result.loss, result.accuracy, result.margins))
@@ -301,14 +337,14 @@ def _curve(directories, settings: PreferenceSettings, setup=None, lora: bool = F
     return curve, evaluation
 
 
-def case_curve(directories, strategy: str, world: int, degrees: dict, objective: str, lora: bool):
+def case_curve(directories, strategy: str, world: int, degrees: dict, objective: str, adapters: str):
     setup = DistributedSetup.build(strategy, world, **degrees)
     settings = DPO if objective == "dpo" else SIMPO
-    return _curve(directories, settings, setup, lora, micro=2 if setup.dp_size < 4 else 1)
+    return _curve(directories, settings, setup, adapters, micro=2 if setup.dp_size < 4 else 1)
 
 
 @pytest.fixture(scope="module")
-def directories(tmp_path_factory, tokenizer):
+def directories(tmp_path_factory):
     root = tmp_path_factory.mktemp("preference")
     policy = write_checkpoint(root / "policy", "own-llama", "random", tie=True, initializer_range=0.2)
     reference = AutoModelForCausalLM.from_pretrained(policy)
@@ -319,27 +355,38 @@ def directories(tmp_path_factory, tokenizer):
     return policy, root / "reference"
 
 
+@pytest.fixture(scope="module")
+def moe_directories(tmp_path_factory):
+    root = tmp_path_factory.mktemp("preference_moe")
+    write_family_checkpoint("mixtral", root / "policy")
+    write_family_checkpoint("mixtral", root / "reference", seed=1)
+    return root / "policy", root / "reference"
+
+
 LAYOUTS = {
-    2: {"ddp": ("ddp", {}), "fsdp2": ("fsdp2", {}), "tp2": ("fsdp2", {"tp_size": 2})},
+    2: {"ddp": ("ddp", {}), "fsdp2": ("fsdp2", {}), "tp2": ("fsdp2", {"tp_size": 2}), "ep2": ("fsdp2", {"ep_size": 2})},
     4: {"hsdp": ("fsdp2", {"dp_replicate_size": 2}), "fsdp2xtp2": ("fsdp2", {"tp_size": 2})},
 }
+# DPO (frozen copy) everywhere; DPO with LoRA (the base as reference) and SimPO (none) where the
+# layouts differ in what they shard (one dp, one tp, and 4 ranks of fsdp x tp).
 CASES = [
-    (world, name, objective, lora)
-    for world, layouts in LAYOUTS.items()
-    for name in layouts
-    for objective, lora in (("dpo", False), ("dpo", True), ("simpo", False))
-    if not (lora and name == "ddp")
-]
+    *((world, name, "dpo", "") for world, layouts in LAYOUTS.items() for name in layouts if name != "ep2"),
+    (2, "fsdp2", "dpo", "lora"), (2, "tp2", "dpo", "lora"), (4, "fsdp2xtp2", "dpo", "lora"),
+    (2, "fsdp2", "simpo", ""), (2, "tp2", "simpo", ""), (4, "fsdp2xtp2", "simpo", ""),
+    (2, "fsdp2", "dpo", "qlora"),  # the reference: the 4-bit base with the adapters off
+    (2, "ep2", "dpo", ""),  # a Mixtral, its experts split over the ranks; the frozen copy's too
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(("world", "layout", "objective", "lora"), CASES,
-                         ids=[f"{w}-{n}-{o}{'-lora' if lora else ''}" for w, n, o, lora in CASES])  # fmt: skip
-def test_every_layout_gives_the_one_process_loss_curve(world, layout, objective, lora, directories, request):
+@pytest.mark.parametrize(("world", "layout", "objective", "adapters"), CASES,
+                         ids=[f"{w}-{n}-{o}{'-' + a if a else ''}" for w, n, o, a in CASES])  # fmt: skip
+def test_every_layout_gives_the_one_process_loss_curve(world, layout, objective, adapters, request):
+    directories = request.getfixturevalue("moe_directories" if layout == "ep2" else "directories")
     settings = DPO if objective == "dpo" else SIMPO
-    expected, expected_eval = _curve(directories, settings, lora=lora, micro=2)
+    expected, expected_eval = _curve(directories, settings, adapters=adapters, micro=2)
     pool = request.getfixturevalue(f"ranks{world}")
     strategy, degrees = LAYOUTS[world][layout]
-    results = pool.run(case_curve, directories, strategy, world, degrees, objective, lora)
+    results = pool.run(case_curve, directories, strategy, world, degrees, objective, adapters)
     # a margin is a difference of log-probabilities of up to ~50 nats (9 tokens x ln 257): it keeps
     # their absolute precision, 1e-5 x 50 x beta, not a relative one
     margin_tolerance = 1e-5 * 50 * settings.beta
