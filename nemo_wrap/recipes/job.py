@@ -139,11 +139,13 @@ def distributed_setup(recipe: Recipe, world_size: int) -> DistributedSetup:
 
 
 def training_shape(recipe: Recipe) -> TrainingShape:
-    """The step the recipe's job runs, for the memory prediction: rows per rank per micro-batch,
-    tokens per row (a text's windows or a data set's rows) and micro-batches per step."""
+    """The step the recipe's job runs, for the memory prediction: rows per rank per micro-batch
+    (a preference run's pairs are two rows each), tokens per row (a text's windows or a data set's
+    rows) and micro-batches per step. A DPO run's frozen copy is not in the prediction."""
     from nemo_wrap.memory import TrainingShape
     from nemo_wrap.recipes.sft import is_text_data
 
     data, training = recipe.data, recipe.training
     tokens = data.seq_len if is_text_data(data.train) else data.max_length
-    return TrainingShape(training.batch_size, tokens, training.accumulation, training.activation_checkpointing)
+    rows = training.batch_size * (1 if training.objective == "sft" else 2)  # a pair is two sequences
+    return TrainingShape(rows, tokens, training.accumulation, training.activation_checkpointing)

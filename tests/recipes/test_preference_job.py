@@ -126,3 +126,14 @@ def test_a_preference_job_without_pairs_or_with_a_teacher_is_refused(workspace, 
     with pytest.raises(SystemExit) as exited:
         main(arguments)
     assert exited.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_the_memory_prediction_counts_a_pair_as_two_rows():
+    from dataclasses import replace
+
+    from nemo_wrap.recipes.config import Recipe, TrainingSection
+    from nemo_wrap.recipes.job import training_shape
+
+    sft = Recipe(training=TrainingSection(batch_size=3))
+    dpo = replace(sft, training=TrainingSection(batch_size=3, objective="dpo"))
+    assert training_shape(dpo) == replace(training_shape(sft), batch_size=6)
