@@ -8,11 +8,12 @@ The formats TRL documents for its preference trainers, detected by their columns
   only in their last turn, an assistant turn; the turns before it are the prompt;
 - plain text: ``prompt``, ``chosen`` and ``rejected`` strings.
 
-Each pair is tokenized as TRL does: the prompt once (a conversation's rendered with the
-generation prompt), then each completion on its own — a conversation's is the rest of the whole
-rendering, up to and including the token that ends the turn; a text completion is followed by
-the end-of-sequence token — so the prompt's tokens are the same in both sequences, and labels
-(``-100`` elsewhere) are exactly the completion's tokens.
+Each pair is tokenized as TRL's ``DPOTrainer`` does: each sequence whole — a conversation's
+rendering, a text's prompt, completion and end-of-sequence token — so the tokens at the seam are
+the ones the model reads after that prompt; the prompt is the longest run of tokens the prompt
+alone (a conversation's rendered with the generation prompt) shares with both sequences, and
+labels (``-100`` elsewhere) are every token after it. One difference from TRL: the newline a
+template writes after the end-of-turn token is not learned, as in chat SFT.
 
 Truncation: a sequence longer than ``max_length`` keeps its prompt whole and loses the end of its
 completion (each completion on its own); a pair whose prompt leaves no room for a completion
@@ -120,7 +121,7 @@ def _pair(raw: dict[str, Any], has_prompt: bool) -> tuple[PreferencePair, Prefer
     if not has_prompt:
         return _implicit_prompt_pair(chosen, rejected)
     if all(isinstance(value, str) for value in (prompt, chosen, rejected)):
-        empty = [name for name in ("chosen", "rejected") if not raw[name].strip()]
+        empty = [name for name in ("prompt", "chosen", "rejected") if not raw[name].strip()]
         return pair, PreferenceFormat.TEXT, f"empty {empty[0]}" if empty else None
     if not all(isinstance(value, list) for value in (prompt, chosen, rejected)):
         return (
@@ -192,23 +193,31 @@ def _labelled(prompt: list[int], completion: list[int]) -> LabelledExample:
 
 
 def _token_ids(format: PreferenceFormat, pair: PreferencePair, tokenizer: Any) -> tuple[list[int], ...]:
-    """The prompt's token ids and each completion's."""
+    """The prompt's token ids and each completion's, cut where the prompt's tokens end in both
+    whole sequences (module docstring)."""
     if format is PreferenceFormat.TEXT:
         eos = tokenizer.eos_token or ""
-        texts = (pair.prompt, pair.chosen + eos, pair.rejected + eos)
+        texts = (pair.prompt, pair.prompt + pair.chosen + eos, pair.prompt + pair.rejected + eos)
     else:
         texts = _conversation_texts(pair, tokenizer)
-    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts)
+    prompt, chosen, rejected = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts)
+    shared = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
+    return prompt[:shared], chosen[shared:], rejected[shared:]
+
+
+def _common_prefix(first: list[int], second: list[int]) -> int:
+    return next(
+        (i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b), min(len(first), len(second))
+    )
 
 
 def _conversation_texts(pair: PreferencePair, tokenizer: Any) -> tuple[str, str, str]:
-    """The rendered prompt (with the generation prompt) and each completion: the rest of the
-    whole conversation's rendering, through the end-of-turn token (the newline after it is not
-    learned, as in chat SFT)."""
+    """The rendered prompt (with the generation prompt) and each whole conversation's rendering,
+    through the completion's end-of-turn token (the newline after it is not learned)."""
     if tokenizer.chat_template is None:
         raise ChatTemplateError(f"{type(tokenizer).__name__} has no chat template; conversations need one")
     prompt = render_chat(tokenizer, pair.prompt, generation_prompt=True)
-    completions = []
+    wholes = []
     for completion in (pair.chosen, pair.rejected):
         whole = render_chat(tokenizer, [*pair.prompt, *completion], generation_prompt=False)
         if not whole.startswith(prompt):
@@ -216,8 +225,8 @@ def _conversation_texts(pair: PreferencePair, tokenizer: Any) -> tuple[str, str,
                 "the chat template is not prefix-consistent: the prompt rendered with the generation prompt "
                 "is not a prefix of the prompt and its completion rendered together"
             )
-        completions.append(whole[len(prompt) :].rstrip())
-    return prompt, completions[0], completions[1]
+        wholes.append(whole.rstrip())
+    return prompt, wholes[0], wholes[1]
 
 
 def pair_rows(pairs: Sequence[LabelledPair], max_length: int, pad_token_id: int) -> list[Batch]:

@@ -252,7 +252,7 @@ class PreferenceSection(Checked):
         0.1, "how far the policy may move from the reference (dpo); reward scale (simpo)", "--beta", _positive
     )
     label_smoothing: float = option(
-        0.0, "dpo: the share of pairs assumed mislabelled (conservative DPO)", "--label-smoothing", _below_half
+        0.0, "the share of pairs assumed mislabelled (conservative DPO; simpo too)", "--label-smoothing", _below_half
     )
     simpo_gamma: float = option(0.5, "simpo: the target reward margin", "--simpo-gamma")
 

@@ -8,26 +8,24 @@ checkpoints, faults — and takes from here the three things that differ: the ro
 and how often the model prefers the chosen answer). The reference is made once and serves both.
 
 A frozen copy, where the reference is one (full fine-tuning), is the run's own checkpoint loaded
-again through the audited pipeline with the model's setup, precision and loss path — under plain
-DDP whole on every rank, as a distillation teacher is, since DDP wraps only modules that train.
+again with the model's own load options but its adapters (:mod:`.frozen_model`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nemo_wrap.auto import NeMoAutoModelForCausalLM
 from nemo_wrap.data import DataParallelBatches
 from nemo_wrap.data.preferences import load_preference_rows, pair_rows, prepare_pairs
-from nemo_wrap.distributed.combinations import Feature, refusals, setup_arguments
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.loading.options import LoadOptions
 from nemo_wrap.recipes.config import DataSection
-from nemo_wrap.training.distillation import freeze_teacher
+from nemo_wrap.recipes.frozen_model import load_frozen_model
 from nemo_wrap.training.preference import (
     PreferenceResult,
     Reference,
@@ -62,15 +60,8 @@ def preference_reference(
     setup, options = load
     source = reference_source(settings, model.nemo_state.lora_config)
     frozen = None
-    if source is ReferenceSource.FROZEN_COPY:
-        whole = bool(refusals({Feature.FROZEN_MODEL, *setup_arguments(setup)}))
-        frozen = freeze_teacher(
-            NeMoAutoModelForCausalLM.from_pretrained(
-                checkpoint,
-                distributed_setup=DistributedSetup.single_process() if whole else setup,
-                options=LoadOptions(precision=options.precision, loss=options.loss),
-            )
-        )
+    if source is ReferenceSource.FROZEN_COPY:  # the starting model: the policy's load without its adapters
+        frozen = load_frozen_model(checkpoint, setup, replace(options, peft_config=None, adapter=None, compile=False))
     say(f"{settings.objective.value}: reference = {source.value}")
     return reference_for(model, settings, frozen)
 

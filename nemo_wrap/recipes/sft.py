@@ -43,7 +43,6 @@ from nemo_wrap.checkpoint.rotation import AUTO, CheckpointRotation, resolve_resu
 from nemo_wrap.data import DataParallelBatches, as_rows, load_rows, prepare_examples, read_token_windows, window_rows
 from nemo_wrap.default_model import bundled_corpus
 from nemo_wrap.distributed.collectives import RankGroup
-from nemo_wrap.distributed.combinations import Feature, refusals, setup_arguments
 from nemo_wrap.distributed.env import peers_must_answer
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.errors import InvalidSetupError, PreemptedError
@@ -58,6 +57,7 @@ from nemo_wrap.recipes.config import (
     OptimizerSection,
     TrainingSection,
 )
+from nemo_wrap.recipes.frozen_model import load_frozen_model
 from nemo_wrap.recipes.metrics import MetricsLog
 from nemo_wrap.recipes.preemption import StopRequest, stop_requests
 from nemo_wrap.recipes.preference_job import (
@@ -72,7 +72,6 @@ from nemo_wrap.training.distillation import (
     DistillationResult,
     DistillationSettings,
     distillation_step,
-    freeze_teacher,
 )
 from nemo_wrap.training.preference import PreferenceResult
 from nemo_wrap.training.preference_loss import PreferenceSettings
@@ -321,15 +320,8 @@ def _step_function(
     settings, max_grad_norm = config.distillation, config.optimizer.max_grad_norm
     if settings is None:
         return lambda micro_batches: train_step(model, optimizer, micro_batches, max_grad_norm=max_grad_norm)
-    # Where the table refuses a frozen teacher under the student's setup (plain DDP wraps only
-    # modules that train), the teacher is held whole on each rank instead.
-    whole = bool(refusals({Feature.FROZEN_MODEL, *setup_arguments(setup)}))
-    teacher = freeze_teacher(
-        NeMoAutoModelForCausalLM.from_pretrained(
-            settings.teacher,
-            distributed_setup=DistributedSetup.single_process() if whole else setup,
-            options=LoadOptions(precision=config.load.precision, loss=config.load.loss),
-        )
+    teacher = load_frozen_model(
+        settings.teacher, setup, LoadOptions(precision=config.load.precision, loss=config.load.loss)
     )
 
     def step(micro_batches: Sequence[Batch]) -> StepResult:

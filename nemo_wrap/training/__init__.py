@@ -12,16 +12,31 @@ from nemo_wrap.training.distillation import (
     freeze_teacher,
 )
 from nemo_wrap.training.evaluate import evaluate
+from nemo_wrap.training.preference import (
+    PreferenceResult,
+    Reference,
+    evaluate_preferences,
+    preference_step,
+    reference_for,
+)
+from nemo_wrap.training.preference_loss import PreferenceObjective, PreferenceSettings
 from nemo_wrap.training.step import StepResult, train_step
 
 __all__ = [
     "DistillationResult",
     "DistillationSettings",
+    "PreferenceObjective",
+    "PreferenceResult",
+    "PreferenceSettings",
+    "Reference",
     "StepResult",
     "clip_grad_norm_",
     "distillation_step",
     "evaluate",
+    "evaluate_preferences",
     "freeze_teacher",
     "no_gradient_sync",
+    "preference_step",
+    "reference_for",
     "train_step",
 ]

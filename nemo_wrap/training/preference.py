@@ -36,7 +36,7 @@ from peft import LoraConfig
 from torch import nn
 
 from nemo_wrap.distributed.combinations import Feature, refuse_unsupported, setup_arguments
-from nemo_wrap.errors import InvalidSetupError
+from nemo_wrap.errors import InvalidSetupError, TrainingDataError
 from nemo_wrap.loading.model_state import HasModelState, loss_plan_of, setup_of
 from nemo_wrap.loading.plan import LossPath, LossPlan
 from nemo_wrap.models.lora import adapters_disabled
@@ -93,14 +93,20 @@ class Reference:
     model: nn.Module | None = None
 
     def log_probs(self, batch: Batch) -> torch.Tensor | None:
-        """Each sequence's completion log-probability under the reference, without gradients."""
+        """Each sequence's completion log-probability under the reference, without gradients and
+        in eval mode (no dropout: the policy switched to its base is put back as it was)."""
         if self.model is None:
             return None
         switch: AbstractContextManager[None] = (
             adapters_disabled(self.model) if self.source is ReferenceSource.ADAPTERS_OFF else nullcontext()
         )
-        with switch, torch.no_grad():
-            return _scores(self.model, batch, None, 1)[1].log_probs
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with switch, torch.no_grad():
+                return _scores(self.model, batch, None, 1)[1].log_probs
+        finally:
+            self.model.train(was_training)
 
 
 def reference_for(model: nn.Module, settings: PreferenceSettings, frozen_copy: nn.Module | None = None) -> Reference:
@@ -187,7 +193,7 @@ def global_pairs(micro_batches: Sequence[Batch], group: dist.ProcessGroup | None
     if group is not None:
         dist.all_reduce(count, group=group)
     if int(count) == 0:
-        raise ValueError("preference_step: the micro-batches hold no pair with a completion token on any rank")
+        raise TrainingDataError("preference_step: the micro-batches hold no pair with completion tokens on any rank")
     return int(count)
 
 
@@ -254,8 +260,8 @@ def _metric_sums(settings: PreferenceSettings, terms: PairTerms, scores: Sequenc
 
 
 def _check_supported(model: nn.Module, settings: PreferenceSettings, reference: Reference) -> None:
-    """Refuse, before any collective, a layout the combination table refuses for preference
-    tuning, and a reference that is missing or not needed."""
+    """Refuse, before any collective (of a step or an evaluation), a layout the combination table
+    refuses for preference tuning, and a missing reference."""
     objective = settings.objective.value
     refuse_unsupported("preference_step", setup_arguments(setup_of(model)) | {Feature.PREFERENCE: objective})
     if settings.objective.needs_reference and reference.model is None:
@@ -271,6 +277,7 @@ def evaluate_preferences(
     the reward accuracy (0 before training: every reward is 0) says where the model starts.
 
     Every rank of the job calls it with the same number of micro-batches."""
+    _check_supported(model, settings, reference)
     was_training = model.training
     model.eval()
     sums = torch.zeros(5, dtype=torch.float64)  # loss, accuracy, margin, prefers chosen, pairs
@@ -285,6 +292,8 @@ def evaluate_preferences(
     if group is not None:
         dist.all_reduce(sums, group=group)
     *totals, pairs = sums.tolist()
+    if pairs == 0:
+        raise TrainingDataError("evaluate_preferences: the held-out micro-batches hold no pair with completion tokens")
     names = ("eval_loss", "eval_rewards_accuracy", "eval_rewards_margin", "eval_prefers_chosen")
     return {name: total / pairs for name, total in zip(names, totals, strict=True)}
 

@@ -44,8 +44,9 @@ class PreferenceObjective(Enum):
 
 @dataclass(frozen=True)
 class PreferenceSettings:
-    """An objective and its constants (TRL's defaults: ``beta=0.1`` for DPO; SimPO's paper and
-    TRL's ``CPOConfig`` take ``beta`` larger, e.g. 2.0, with ``simpo_gamma=0.5``)."""
+    """An objective and its constants, TRL's names and defaults (``beta=0.1``, ``simpo_gamma=0.5``;
+    the SimPO paper tunes ``beta`` far higher, 2.0-2.5). ``label_smoothing`` smooths either
+    objective's sigmoid loss (conservative DPO)."""
 
     objective: PreferenceObjective = PreferenceObjective.DPO
     beta: float = 0.1
@@ -110,6 +111,6 @@ def objective_scores(settings: PreferenceSettings, scores: SequenceScores) -> to
 
 
 def real_pairs(tokens: torch.Tensor) -> torch.Tensor:
-    """Which pairs of a batch are real, from each sequence's completion-token count: a padding
-    pair has none in either sequence."""
-    return (tokens[0::2] > 0) | (tokens[1::2] > 0)
+    """Which pairs of a batch are real, from each sequence's completion-token count: both
+    sequences have some (a padding pair has none; a pair with one empty side compares nothing)."""
+    return (tokens[0::2] > 0) & (tokens[1::2] > 0)

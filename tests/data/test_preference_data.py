@@ -55,14 +55,17 @@ def test_a_conversational_pair_shares_its_rendered_prompt_and_learns_each_comple
         assert tokenizer.decode(_completion(example)) == answer[0]["content"] + "<|im_end|>"
 
 
-def test_a_text_pair_learns_each_completion_and_the_end_of_sequence(tokenizer, tmp_path):
+def test_a_text_pair_is_each_sequence_tokenized_whole_and_learns_each_completion_and_its_end(tokenizer, tmp_path):
     rows = load_preference_rows(_write(tmp_path, TEXT))
     assert rows.format is PreferenceFormat.TEXT
     (pair,) = prepare_pairs(rows, tokenizer, 64).pairs
-    assert tokenizer.decode(_completion(pair.chosen)) == "how are you?" + tokenizer.eos_token
-    assert tokenizer.decode(_completion(pair.rejected)) == "Paris." + tokenizer.eos_token
-    prompt_ids = tokenizer("hello there, ", add_special_tokens=False)["input_ids"]
-    assert pair.chosen.input_ids[: len(prompt_ids)] == pair.rejected.input_ids[: len(prompt_ids)] == tuple(prompt_ids)
+    for example, completion in ((pair.chosen, "how are you?"), (pair.rejected, "Paris.")):
+        whole = tokenizer("hello there, " + completion + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        assert list(example.input_ids) == whole  # the seam's tokens are the ones read after this prompt
+        # the space that ends the prompt is the start of the completion's first token, as in TRL
+        assert tokenizer.decode(_completion(example)) == " " + completion + tokenizer.eos_token
+    prompt = [token for token, label in zip(pair.chosen.input_ids, pair.chosen.labels, strict=True) if label == -100]
+    assert tokenizer.decode(prompt) == "hello there," and pair.rejected.input_ids[: len(prompt)] == tuple(prompt)
 
 
 def test_a_long_completion_is_cut_at_max_length_and_a_prompt_that_fills_it_is_dropped(tokenizer, tmp_path):
@@ -99,6 +102,7 @@ BAD = {
     "mixed_types": ({**EXPLICIT, "chosen": "text"}, "line 2: prompt, chosen and rejected must be all strings or all lists"),
     "bad_role": ({**EXPLICIT, "prompt": [{"role": "robot", "content": "x"}]}, "line 2: prompt: turn 0 has role 'robot'"),
     "empty_text": ({**TEXT, "rejected": "  "}, "line 2: empty rejected"),
+    "empty_text_prompt": ({**TEXT, "prompt": ""}, "line 2: empty prompt"),
     "implicit_differs_early": ({"chosen": USER + CHOSEN, "rejected": [{"role": "user", "content": "other"}] + REJECTED},
                                "line 2: without a prompt column, chosen and rejected must be conversations that share"),
     "implicit_ends_with_user": ({"chosen": CHOSEN + USER, "rejected": CHOSEN + USER},

@@ -10,6 +10,8 @@ tokenizations.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -158,10 +160,12 @@ def _assert_gradients(model, recorder, expected) -> None:
 
 # -- equal to TRL --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("kind", "loss"), [("own-llama", "chunked"), ("own-llama", "full"), ("mistral", "chunked")],
-    ids=["fused-chunked", "fused-full", "fallback-chunked"],
+    ("kind", "loss", "chunk_tokens"),
+    [("own-llama", "chunked", None), ("own-llama", "chunked", 4), ("own-llama", "full", None),
+     ("mistral", "chunked", None)],
+    ids=["fused-chunked", "fused-chunked-pair-by-pair", "fused-full", "fallback-chunked"],
 )  # fmt: skip
-def test_dpo_loss_rewards_and_gradients_equal_trl_dpo_trainer(kind, loss, tokenizer, tmp_path, one_thread):
+def test_dpo_loss_rewards_and_gradients_equal_trl_dpo_trainer(kind, loss, chunk_tokens, tokenizer, tmp_path, one_thread):
     policy_dir, reference_dir = _checkpoints(tmp_path, kind, tokenizer)
     trl_loss, metrics, gradients, batch = _trl_dpo(policy_dir, reference_dir, tokenizer, tmp_path)
     labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
@@ -169,6 +173,10 @@ def test_dpo_loss_rewards_and_gradients_equal_trl_dpo_trainer(kind, loss, tokeni
     rows = _our_rows((ids[:3], labels[:3], mask[:3]), (ids[3:], labels[3:], mask[3:]))
     model = NeMoAutoModelForCausalLM.from_pretrained(policy_dir, options=LoadOptions(loss=loss))
     frozen = freeze_teacher(NeMoAutoModelForCausalLM.from_pretrained(reference_dir, options=LoadOptions(loss=loss)))
+    if chunk_tokens is not None:  # each pair a run of its own: the runs' offsets into the reference matter
+        for each in (model, frozen):
+            plan = each.load_report.plan
+            each.load_report.plan = replace(plan, loss=replace(plan.loss, chunk_tokens=chunk_tokens))
     recorder = GradientRecorder(model)
     result = preference_step(model, recorder, [rows], DPO, reference_for(model, DPO, frozen))
     assert result.pairs == 3 and metrics["rewards/accuracies"] not in (0.0, 1.0)  # a batch that tells apart
@@ -291,8 +299,9 @@ LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 
 
 def _global_pairs(step: int) -> dict[str, torch.Tensor]:
-    """Pairs sharing a prompt of 3-7 tokens, completions of 2-9 tokens, right-padded: ranks hold
-    different numbers of completion tokens."""
+    """Pairs sharing a prompt of 3-7 tokens, completions of 2-9 tokens, right-padded, the last pair
+    a padding pair (no completion, as a rank short of rows gets): ranks and micro-batches hold
+    different numbers of real pairs and of completion tokens."""
     generator = torch.Generator().manual_seed(200 + step)
     ids = torch.randint(4, 257, (2 * PAIRS_PER_STEP, LENGTH), generator=generator)
     prompts = torch.randint(3, 8, (PAIRS_PER_STEP,), generator=generator).repeat_interleave(2)
@@ -301,6 +310,7 @@ def _global_pairs(step: int) -> dict[str, torch.Tensor]:
     positions = torch.arange(LENGTH)[None, :]
     mask = (positions < ends[:, None]).long()
     labels = ids.masked_fill((positions < prompts[:, None]) | (mask == 0), -100)
+    labels[-2:] = -100
     return {"input_ids": ids.masked_fill(mask == 0, 3), "labels": labels, "attention_mask": mask}
 
 
@@ -371,7 +381,7 @@ LAYOUTS = {
 # layouts differ in what they shard (one dp, one tp, and 4 ranks of fsdp x tp).
 CASES = [
     *((world, name, "dpo", "") for world, layouts in LAYOUTS.items() for name in layouts if name != "ep2"),
-    (2, "fsdp2", "dpo", "lora"), (2, "tp2", "dpo", "lora"), (4, "fsdp2xtp2", "dpo", "lora"),
+    (2, "ddp", "dpo", "lora"), (2, "fsdp2", "dpo", "lora"), (2, "tp2", "dpo", "lora"), (4, "fsdp2xtp2", "dpo", "lora"),
     (2, "fsdp2", "simpo", ""), (2, "tp2", "simpo", ""), (4, "fsdp2xtp2", "simpo", ""),
     (2, "fsdp2", "dpo", "qlora"),  # the reference: the 4-bit base with the adapters off
     (2, "ep2", "dpo", ""),  # a Mixtral, its experts split over the ranks; the frozen copy's too
