@@ -23,7 +23,7 @@ one batch, each padded to ``max_length``; a pair is scored from its own two rows
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -89,18 +89,23 @@ class PreparedPairs:
         return f"{len(self.pairs)} preference pairs ({self.truncated} truncated, {self.dropped} dropped)"
 
 
-def load_preference_rows(source: str | Path) -> PreferenceRows:
+def load_preference_rows(source: str | Path, columns: Mapping[str, str] | None = None) -> PreferenceRows:
     """Every pair of ``source`` (a local file or a hub data set id), validated: a bad row is a
-    :class:`PreferenceDataError` naming the source and the line (JSON Lines) or row."""
+    :class:`PreferenceDataError` naming the source and the line (JSON Lines) or row. ``columns``
+    maps ours (``prompt``, ``chosen``, ``rejected``) to the data's (``{"chosen": "better"}``)."""
     table, locations = load_table(source)
-    columns = set(table.column_names)
-    if not {"chosen", "rejected"} <= columns:
+    names = {ours: dict(columns or {}).get(ours, ours) for ours in ("prompt", "chosen", "rejected")}
+    present = set(table.column_names)
+    if not {names["chosen"], names["rejected"]} <= present:
         raise PreferenceDataError(
-            f"{source}: columns {sorted(columns)}: a preference set needs chosen and rejected (and prompt)"
+            f"{source}: columns {sorted(present)}: a preference set needs chosen and rejected (and prompt); "
+            "map yours with columns={'chosen': ..., 'rejected': ...}"
         )
+    table = [{ours: raw.get(theirs) for ours, theirs in names.items() if theirs in present} for raw in table]
+    columns_here = {ours for ours, theirs in names.items() if theirs in present}
     pairs, formats = [], set()
     for raw, location in zip(table, locations, strict=True):
-        pair, row_format, problem = _pair(raw, has_prompt="prompt" in columns)
+        pair, row_format, problem = _pair(raw, has_prompt="prompt" in columns_here)
         if problem is not None:
             raise PreferenceDataError(f"{source}: {location}: {problem}")
         pairs.append(pair)

@@ -42,7 +42,7 @@ Batch = dict[str, torch.Tensor]
 
 def preference_rows(source: str, data: DataSection, tokenizer: Any, say: Callable[[str], None]) -> list[Batch]:
     """The pairs of ``source``, tokenized and labelled, one ``[2, max_length]`` row each."""
-    rows = load_preference_rows(source)
+    rows = load_preference_rows(source, data.columns)
     prepared = prepare_pairs(rows, tokenizer, data.max_length)
     say(f"data: {source} (preference pairs, {rows.format.value}): {prepared.summary()}")
     return pair_rows(prepared.pairs, data.max_length, tokenizer.pad_token_id or 0)

@@ -113,6 +113,13 @@ class SFTConfig:
                 f"training.objective={objective} needs a preference data set (prompt, chosen, rejected) as data.train, "
                 f"not {self.data.train or 'the bundled text corpus'}"
             )
+        sft_only = {"data.pack": self.data.pack, "data.last_turn_only": self.data.last_turn_only}
+        sft_only["data.format"] = self.data.format != "auto"
+        if any(sft_only.values()):
+            named = ", ".join(name for name, value in sft_only.items() if value)
+            raise InvalidSetupError(
+                f"training.objective={objective}: {named} applies to SFT data only (pairs are never packed)"
+            )
 
 
 @dataclass
@@ -351,7 +358,7 @@ def _data_set_rows(
     source: str, data: DataSection, tokenizer: Any, say: Callable[[str], None], preference: bool
 ) -> list[Batch]:
     """A data set's rows: preference pairs for a preference run, else SFT examples (packed if asked)."""
-    if preference:
+    if preference:  # data.columns maps its prompt, chosen and rejected columns
         return preference_rows(source, data, tokenizer, say)
     rows = load_rows(source, format=data.format, columns=data.columns)
     prepared = prepare_examples(rows, tokenizer, data.max_length, last_turn_only=data.last_turn_only)

@@ -136,3 +136,11 @@ def test_a_file_without_chosen_and_rejected_columns_is_refused_naming_them(tmp_p
     path = _write(tmp_path, {"prompt": "a", "completion": "b"})
     with pytest.raises(PreferenceDataError, match=r"columns \['completion', 'prompt'\]: a preference set needs chosen and"):
         load_preference_rows(path)
+
+
+def test_other_column_names_are_mapped_onto_prompt_chosen_and_rejected(tokenizer, tmp_path):
+    renamed = {"question": USER, "better": CHOSEN, "worse": REJECTED}
+    rows = load_preference_rows(_write(tmp_path, renamed), {"prompt": "question", "chosen": "better", "rejected": "worse"})
+    assert rows.pairs[0].prompt == USER and rows.pairs[0].chosen == CHOSEN and rows.pairs[0].rejected == REJECTED
+    with pytest.raises(PreferenceDataError, match=r"map yours with columns="):
+        load_preference_rows(_write(tmp_path, renamed, name="unmapped.jsonl"))

@@ -117,6 +117,7 @@ def test_a_lora_simpo_job_on_two_ranks_saves_an_adapter_peft_loads_with_the_same
 @pytest.mark.parametrize(
     ("more", "said"),
     [(["--teacher", "x"], "with a distillation teacher: choose one objective"),
+     (["--pack"], "data.pack applies to SFT data only (pairs are never packed)"),
      ([], "needs a preference data set (prompt, chosen, rejected) as data.train, not the bundled text corpus")],
 )  # fmt: skip
 def test_a_preference_job_without_pairs_or_with_a_teacher_is_refused(workspace, more, said, tmp_path, capsys):
