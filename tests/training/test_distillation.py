@@ -232,7 +232,7 @@ def test_two_ranks_match_one_process(ranks2, strategy, tp_size):
 
 def test_a_teacher_replicated_by_ddp_is_refused_naming_the_remedy(ranks2):
     for message in ranks2.run(case_ddp_teacher_is_refused):
-        assert "load the teacher with distributed_setup=None" in message
+        assert "load the frozen model with distributed_setup=None" in message
 
 
 # --- the job: `nemo-wrap finetune --teacher ...` on the embedded default -------------------------
