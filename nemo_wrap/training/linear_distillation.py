@@ -49,8 +49,12 @@ from nemo_wrap.errors import InvalidSetupError
 from nemo_wrap.loading.model_state import loss_plan_of, setup_of
 from nemo_wrap.loading.plan import LossPath, LossPlan
 from nemo_wrap.models.head import HeadTransform
-from nemo_wrap.training.linear_loss import output_with_loss, saved_gradients_scaled, shifted_labels
-from nemo_wrap.training.router_loss import adds_router_loss
+from nemo_wrap.training.linear_loss import (
+    chunked_unless_built_whole,
+    output_with_loss,
+    saved_gradients_scaled,
+    shifted_labels,
+)
 from nemo_wrap.training.step import forward_inputs, labels_of
 from nemo_wrap.training.token_loss import IGNORE_INDEX
 
@@ -61,14 +65,7 @@ def distillation_loss_plan(student: nn.Module) -> LossPlan:
     that adds a load-balancing loss (it is assembled beside the whole logits, as ``train_step``
     does) and a tensor-parallel one (its chunks' logits are vocabulary shards, whose KL with the
     teacher's is not built): those compute their whole logits, and the plan says why."""
-    plan = loss_plan_of(student)
-    if plan.path is LossPath.FULL:
-        return plan
-    if adds_router_loss(student):
-        return LossPlan(LossPath.FULL, "the load-balancing loss is assembled beside the logits")
-    if setup_of(student).uses_tensor_parallel:
-        return LossPlan(LossPath.FULL, "tensor parallel: the KL of vocabulary-sharded chunks is not built")
-    return plan
+    return chunked_unless_built_whole(student, "the KL of vocabulary-sharded chunks is not built")
 
 
 def check_same_vocabulary(teacher_entries: int, student_entries: int) -> None:

@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from nemo_wrap.loading.model_state import loss_plan_of, setup_of
 from nemo_wrap.loading.plan import LossPath, LossPlan
 from nemo_wrap.models.head import HeadTransform
+from nemo_wrap.training.router_loss import adds_router_loss
 from nemo_wrap.training.token_loss import IGNORE_INDEX
 
 
@@ -268,6 +269,21 @@ def cross_entropy_of(model: Any, output: Any) -> torch.Tensor:
     loss it returns; it is taken back out here (its gradient cancels exactly)."""
     aux_loss = getattr(output, "aux_loss", None)
     return output.loss if aux_loss is None else output.loss - model.router_aux_loss_coef * aux_loss
+
+
+def chunked_unless_built_whole(model: nn.Module, tensor_parallel_reason: str) -> LossPlan:
+    """``model``'s loss plan for a loss built chunked only beside plain logits (distillation's, the
+    preference objectives'): the whole logits where the plan says so, where the model adds a
+    load-balancing loss (assembled beside them, as ``train_step`` does) and under tensor parallel
+    (its chunks are vocabulary shards: ``tensor_parallel_reason`` says what is not built there)."""
+    plan = loss_plan_of(model)
+    if plan.path is LossPath.FULL:
+        return plan
+    if adds_router_loss(model):
+        return LossPlan(LossPath.FULL, "the load-balancing loss is assembled beside the logits")
+    if setup_of(model).uses_tensor_parallel:
+        return LossPlan(LossPath.FULL, f"tensor parallel: {tensor_parallel_reason}")
+    return plan
 
 
 def loss_context(model: nn.Module) -> AbstractContextManager[None]:

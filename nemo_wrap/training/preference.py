@@ -41,7 +41,7 @@ from nemo_wrap.loading.model_state import HasModelState, loss_plan_of, setup_of
 from nemo_wrap.loading.plan import LossPath, LossPlan
 from nemo_wrap.models.lora import adapters_disabled
 from nemo_wrap.training.accumulation import no_gradient_sync
-from nemo_wrap.training.linear_loss import output_with_loss, shifted_labels
+from nemo_wrap.training.linear_loss import chunked_unless_built_whole, output_with_loss, shifted_labels
 from nemo_wrap.training.preference_loss import (
     PairTerms,
     PreferenceSettings,
@@ -50,7 +50,6 @@ from nemo_wrap.training.preference_loss import (
     pair_terms,
     real_pairs,
 )
-from nemo_wrap.training.router_loss import adds_router_loss
 from nemo_wrap.training.sequence_scores import PairLosses, chunked_scores_loss, scores_from_logits
 from nemo_wrap.training.step import (
     StepResult,
@@ -143,14 +142,7 @@ class PreferenceResult(StepResult):
 
 def preference_loss_plan(model: nn.Module) -> LossPlan:
     """How a preference step computes ``model``'s log-probabilities (module docstring)."""
-    plan = loss_plan_of(model)
-    if plan.path is LossPath.FULL:
-        return plan
-    if adds_router_loss(model):
-        return LossPlan(LossPath.FULL, "the load-balancing loss is assembled beside the logits")
-    if setup_of(model).uses_tensor_parallel:
-        return LossPlan(LossPath.FULL, "tensor parallel: the log-softmax of vocabulary-sharded chunks is not built")
-    return plan
+    return chunked_unless_built_whole(model, "the log-softmax of vocabulary-sharded chunks is not built")
 
 
 def preference_step(
