@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from nemo_wrap.data import DataParallelBatches
 from nemo_wrap.data.preferences import load_preference_rows, pair_rows, prepare_pairs
 from nemo_wrap.distributed.setup import DistributedSetup
 from nemo_wrap.loading.options import LoadOptions
@@ -82,8 +81,7 @@ def preference_step_function(
 
 
 def preference_evaluation(
-    model: Any, batches: DataParallelBatches, settings: PreferenceSettings, reference: Reference
+    model: Any, micro_batches: Sequence[Batch], settings: PreferenceSettings, reference: Reference
 ) -> Callable[[], dict[str, float]]:
-    """The held-out preference metrics over every rank's share of ``batches``."""
-    micro_batches = [micro_batch for step in batches.rest_of_epoch() for micro_batch in step]
+    """The held-out preference metrics over every rank's held-out ``micro_batches``."""
     return lambda: evaluate_preferences(model, micro_batches, settings, reference)

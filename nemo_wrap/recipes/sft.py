@@ -292,11 +292,7 @@ def _job(
             Path(config.output_dir).name,
         ),
     )
-    held_out = None
-    if eval_rows is not None:
-        held_out = DataParallelBatches(
-            eval_rows, training.batch_size, seed=0, dp_rank=setup.dp_rank(), dp_size=setup.dp_size
-        )
+    held_out = None if eval_rows is None else _held_out_micro_batches(eval_rows, training.batch_size, setup)
     evaluation: Callable[[], dict[str, float]] | None = None
     step: Callable[[Sequence[Batch]], StepResult]
     if config.preference is not None:
@@ -366,9 +362,14 @@ def _data_set_rows(
     return as_rows(prepared.examples, data.max_length, tokenizer.pad_token_id or 0, data.pack)
 
 
-def _evaluation(model: Any, batches: DataParallelBatches) -> Callable[[], dict[str, float]]:
-    """The held-out loss over every rank's share of ``batches``, token-weighted."""
-    micro_batches = [micro_batch for step in batches.rest_of_epoch() for micro_batch in step]
+def _held_out_micro_batches(rows: list[Batch], batch_size: int, setup: DistributedSetup) -> list[Batch]:
+    """This rank's share of the held-out rows, in micro-batches: one epoch, in a fixed order."""
+    batches = DataParallelBatches(rows, batch_size, seed=0, dp_rank=setup.dp_rank(), dp_size=setup.dp_size)
+    return [micro_batch for step in batches.rest_of_epoch() for micro_batch in step]
+
+
+def _evaluation(model: Any, micro_batches: list[Batch]) -> Callable[[], dict[str, float]]:
+    """The held-out loss over every rank's ``micro_batches``, token-weighted."""
     return lambda: {"eval_loss": evaluate(model, micro_batches)}
 
 
